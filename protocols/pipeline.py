@@ -1,0 +1,104 @@
+"""Messages between the stages of one rank's pipeline, and the trajectory record for sinks.
+
+Token ids and log-probs travel as raw tensor frames beside these headers (see TensorSpec); the
+fields named ``*_len`` give their lengths so a header alone is enough for accounting.
+"""
+
+from __future__ import annotations
+
+from protocols.base import Message, TensorSpec
+
+
+class PromptGroup(Message, kw_only=True):
+    """One prompt admitted by the Generator, to be sampled ``n_samples`` times.
+
+    Frames: ``prompt_ids`` int64 (prompt_len,).
+    """
+
+    group_id: str  # unique per run: "s{step}-p{prompt_index}" (+ "-r{n}" for refills)
+    step: int  # the train step this group was admitted for
+    prompt_index: int  # global index of the prompt within the step (seeds sampling)
+    prompt_text: str
+    reference: str = ""  # ground-truth answer for rule rewards; "" when none
+    label: str = "default"  # task label: picks the reward sources
+    n_samples: int
+    prompt_len: int
+    data_row: int = -1  # row of the dataset file this prompt came from
+    tensors: list[TensorSpec] = []
+
+
+class Completion(Message, kw_only=True):
+    """One finished sample from the engine.
+
+    Frames: ``prompt_ids`` int64 (prompt_len,), ``response_ids`` int64 (response_len,),
+    ``behaviour_logprobs`` float32 (response_len,): log-probs of the sampled tokens under the
+    distribution actually sampled from (after temperature / top-p / top-k).
+    """
+
+    sample_id: str  # "{group_id}-{sample_index}"
+    group_id: str
+    step: int
+    prompt_index: int
+    sample_index: int
+    prompt_text: str
+    response_text: str
+    reference: str = ""
+    label: str = "default"
+    n_samples: int
+    finish_reason: str  # "stop" (EOS or stop token) | "length" (max_new_tokens)
+    policy_version: int  # learner version whose weights generated it
+    prompt_len: int
+    response_len: int
+    generate_seconds: float = 0.0
+    tensors: list[TensorSpec] = []
+
+
+class ScoredSample(Message, kw_only=True):
+    """A completion with its reward; frames as in Completion, plus ``teacher_logprobs`` float32
+    (response_len,) when a teacher is configured."""
+
+    completion: Completion
+    reward: float  # aggregated scalar; NaN never travels (a NaN reward fails the sample)
+    reward_components: dict[str, float] = {}
+    status: str = "ok"  # "ok" | "failed"
+    fail_reason: str = ""  # why, when failed
+    score_seconds: float = 0.0
+    tensors: list[TensorSpec] = []
+
+
+class MicrobatchHeader(Message, kw_only=True):
+    """Header of a learner microbatch: the samples it packs, in order.
+
+    Frames: ``input_ids`` int64 (n_seqs, max_len), ``attention_mask``, ``response_mask``,
+    ``behaviour_logprobs``, ``advantages`` float32 (n_seqs, max_len), right-padded.
+    """
+
+    step: int
+    sample_ids: list[str]
+    n_tokens: int  # response tokens (the loss tokens) in this microbatch
+    tensors: list[TensorSpec] = []
+
+
+class TrajectoryRecord(Message, kw_only=True):
+    """One trained (or filtered / failed) sample, as written by the trajectory sinks."""
+
+    run_id: str
+    rank: int
+    step: int
+    sample_id: str
+    group_id: str
+    policy_version: int
+    prompt: str
+    response: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    policy_logprobs: list[float] = []
+    entropy: list[float] = []  # per response token, nats
+    reward: float = 0.0
+    reward_components: dict[str, float] = {}
+    advantage: float = 0.0  # sequence-level (first response token's) advantage
+    status: str = "trained"  # "trained" | "filtered" | "failed"
+    reason: str = ""
+    finish_reason: str = ""
+    timings: dict[str, float] = {}  # seconds: generate, score, ...

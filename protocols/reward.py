@@ -1,0 +1,32 @@
+"""Remote reward service messages (ZeroMQ ROUTER/DEALER; HTTP JSON mode uses its own shape)."""
+
+from __future__ import annotations
+
+from protocols.base import Message
+
+
+class RewardItem(Message, kw_only=True):
+    """One sample to score. ``prompt`` and ``response`` are decoded text."""
+
+    sample_id: str
+    prompt: str
+    response: str
+    reference: str = ""
+    label: str = "default"
+    images: list[str] = []  # base64-encoded image bytes, each encoded once
+
+
+class RewardRequest(Message, kw_only=True):
+    """request_id is idempotent: a retried request carries the same id and gets the same answer."""
+
+    request_id: str
+    items: list[RewardItem]
+
+
+class RewardReply(Message, kw_only=True):
+    """rewards[i] scores items[i]; components[name][i] likewise. ``error`` non-empty = failed."""
+
+    request_id: str
+    rewards: list[float] = []
+    components: dict[str, list[float]] = {}
+    error: str = ""

@@ -1,0 +1,135 @@
+"""One typed config tree (msgspec Structs), loaded from YAML/TOML plus dotted key=value overrides.
+
+Unknown keys, wrong types and incompatible settings are errors before any process group, socket or
+model is created. ``validate_*`` functions only raise; ``derive_*`` functions fill in values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from streamrft.config.algorithm import AlgorithmConfig
+from streamrft.config.base import ConfigError, Section
+from streamrft.config.checkpoint import CheckpointConfig
+from streamrft.config.data import DataConfig
+from streamrft.config.engine import EngineConfig
+from streamrft.config.metrics import MetricsConfig, SinksConfig
+from streamrft.config.model import ModelConfig
+from streamrft.config.reward import RewardConfig, RewardSourceConfig
+from streamrft.config.rollout import RolloutConfig
+from streamrft.config.teacher import TeacherConfig
+from streamrft.config.train import TrainConfig
+
+
+class WarmupConfig(Section):
+    steps: int = 0  # supervised warm-up steps on (prompt, reference) pairs before RL; 0 = none
+    lr: float = 1e-3
+    batch_size: int = 32
+
+
+class Config(Section):
+    seed: int = 0  # seeds data order, sampling (per step, prompt, sample) and init
+    output_dir: str = "runs/default"  # checkpoints, logs, metrics files
+    fail_fast: bool = False  # stop the run on the first failed sample instead of counting it
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    teacher: TeacherConfig = msgspec.field(default_factory=TeacherConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    sinks: SinksConfig = msgspec.field(default_factory=SinksConfig)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
+
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "RewardSourceConfig",
+    "load_config",
+    "apply_overrides",
+    "validate_config",
+]
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = msgspec.toml.decode(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.') or 'yaml'}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides in place; values are parsed as YAML scalars/lists."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. train.max_steps=10)")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override key {key!r} is not a dotted key like train.max_steps")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {key}: {part} is a value, not a section")
+            node = child
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            node[parts[-1]] = raw
+    return data
+
+
+def _resolve_paths(cfg: Config, base: Path) -> None:
+    """Paths in a config file are relative to that file, unless absolute or already existing."""
+
+    def fix(p: str) -> str:
+        if not p or Path(p).is_absolute() or Path(p).exists():
+            return p
+        candidate = base / p
+        return str(candidate) if candidate.exists() or candidate.parent.exists() else p
+
+    cfg.model.path = fix(cfg.model.path)
+    cfg.model.reference_path = fix(cfg.model.reference_path)
+    cfg.data.train_path = fix(cfg.data.train_path)
+    cfg.data.eval_path = fix(cfg.data.eval_path)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML/TOML file, apply overrides, type-check every key (unknown keys fail)."""
+    data = _read_file(Path(path)) if path else {}
+    apply_overrides(data, overrides or [])
+    try:
+        cfg = msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        where = f"{path}" if path else "config"
+        raise ConfigError(f"{where}: {exc}".replace("$.", "")) from None
+    if path:
+        _resolve_paths(cfg, Path(path).resolve().parent)
+    return cfg
+
+
+def validate_config(cfg: Config, world_size: int = 1) -> None:
+    """Raise ConfigError for settings that cannot run together. Runs before anything starts."""
+    from streamrft.config.validate import validate_all
+
+    validate_all(cfg, world_size)

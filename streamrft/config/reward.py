@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+from typing import Literal
+
+from streamrft.config.base import Section
+
+
+class RewardSourceConfig(Section):
+    name: str  # component name, exported as its own metric
+    type: Literal["rule", "custom", "remote", "model"] = "rule"
+    fn: str = ""  # rule name (arith, gsm8k, math, ...) or module:function or path/file.py:function
+    address: str = ""  # remote: tcp://host:port (ZeroMQ) or http://host:port
+    model_path: str = ""  # model: reward-model directory
+    weight: float = 1.0  # weight in the per-label aggregate
+    labels: list[str] = []  # task labels this source scores; [] = all
+
+
+class RewardConfig(Section):
+    sources: list[RewardSourceConfig] = []
+    timeout_s: float = 30.0  # per request
+    max_concurrency: int = 16  # requests in flight to one remote source
+    retries: int = 3  # retries of a timed-out or failed remote request (same request id)

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from typing import Literal
+
+from streamrft.config.base import Section
+
+
+class TrainConfig(Section):
+    max_steps: int = 100  # train steps (one optimizer step per mini-batch per step)
+    strategy: Literal["fsdp2", "deepspeed"] = "fsdp2"  # learner backend
+    lr: float = 1e-5
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine includes linear warm-up
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    weight_decay: float = 0.0
+    adam_betas: list[float] = [0.9, 0.999]
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    micro_batch_tokens: int = 8192  # token budget of one forward/backward microbatch
+    mini_batches_per_step: int = 1  # optimizer steps per train step (PPO mini-batches)
+    ppo_epochs: int = 1  # passes over the step's samples
+    eval_every: int = 0  # evaluate every N steps; 0 = before and after only
+    log_every: int = 1
+    deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise resume checks

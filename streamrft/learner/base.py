@@ -1,0 +1,39 @@
+"""The Strategy interface (learner backend): FSDP2 now, DeepSpeed ZeRO behind the same methods."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+# A loss function receives the model outputs for one microbatch and returns (loss, metrics).
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class Strategy(Protocol):
+    module: torch.nn.Module  # the trainable (possibly sharded) model
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def forward_backward(self, microbatch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]: ...
+
+    def step(self) -> dict[str, float]:
+        """Clip, optimizer step, LR schedule, zero grads; returns grad_norm and lr."""
+        ...
+
+    def offload(self) -> None: ...
+
+    def reload(self) -> None: ...
+
+    def unshard_for_rollout(self) -> None:
+        """Gather full parameters so the colocated engine can run forwards with no collectives."""
+        ...
+
+    def reshard_after_rollout(self) -> None: ...
+
+    def full_state_for_engine(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
