@@ -19,6 +19,7 @@ from protocols.base import (
 )
 from protocols.pipeline import (
     Completion,
+    Control,
     MicrobatchHeader,
     PromptGroup,
     ScoredSample,
@@ -38,6 +39,7 @@ __all__ = [
     "json_schema",
     "PromptGroup",
     "Completion",
+    "Control",
     "ScoredSample",
     "MicrobatchHeader",
     "TrajectoryRecord",

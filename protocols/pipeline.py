@@ -102,3 +102,13 @@ class TrajectoryRecord(Message, kw_only=True):
     reason: str = ""
     finish_reason: str = ""
     timings: dict[str, float] = {}  # seconds: generate, score, ...
+
+
+class Control(Message, kw_only=True):
+    """An in-band signal on a stage channel: ``"end_of_step"`` (no more samples for ``step`` from
+    this sender) or ``"stop"`` (shut down; ``reason`` says why)."""
+
+    signal: str
+    step: int = -1
+    reason: str = ""
+    tensors: list[TensorSpec] = []

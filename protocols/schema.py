@@ -12,6 +12,7 @@ def all_message_types() -> list[type]:
     return [
         protocols.PromptGroup,
         protocols.Completion,
+        protocols.Control,
         protocols.ScoredSample,
         protocols.MicrobatchHeader,
         protocols.TrajectoryRecord,
