@@ -106,9 +106,11 @@ class TrajectoryRecord(Message, kw_only=True):
 
 class Control(Message, kw_only=True):
     """An in-band signal on a stage channel: ``"end_of_step"`` (no more samples for ``step`` from
-    this sender) or ``"stop"`` (shut down; ``reason`` says why)."""
+    this sender), ``"group_done"`` (AdvantageStage -> Generator: a prompt group was kept or filtered,
+    so the Generator can refill) or ``"stop"`` (shut down; ``reason`` says why)."""
 
-    signal: str
+    signal: str  # "end_of_step" | "group_done" | "stop"
     step: int = -1
-    reason: str = ""
+    reason: str = ""  # group_done: "kept" or "filtered:<why>"; stop: why
     tensors: list[TensorSpec] = []
+    group_id: str = ""  # group_done: which group

@@ -99,21 +99,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _resolve_paths(cfg: Config, base: Path) -> None:
-    """Paths in a config file are relative to that file, unless absolute or already existing."""
-
-    def fix(p: str) -> str:
-        if not p or Path(p).is_absolute() or Path(p).exists():
-            return p
-        candidate = base / p
-        return str(candidate) if candidate.exists() or candidate.parent.exists() else p
-
-    cfg.model.path = fix(cfg.model.path)
-    cfg.model.reference_path = fix(cfg.model.reference_path)
-    cfg.data.train_path = fix(cfg.data.train_path)
-    cfg.data.eval_path = fix(cfg.data.eval_path)
-
-
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Read a YAML/TOML file, apply overrides, type-check every key (unknown keys fail)."""
     data = _read_file(Path(path)) if path else {}
@@ -123,13 +108,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     except msgspec.ValidationError as exc:
         where = f"{path}" if path else "config"
         raise ConfigError(f"{where}: {exc}".replace("$.", "")) from None
-    if path:
-        _resolve_paths(cfg, Path(path).resolve().parent)
     return cfg
 
 
-def validate_config(cfg: Config, world_size: int = 1) -> None:
-    """Raise ConfigError for settings that cannot run together. Runs before anything starts."""
+def validate_config(cfg: Config, world_size: int = 1, check_paths: bool = True) -> None:
+    """Raise ConfigError for settings that cannot run together. Runs before anything starts.
+
+    Relative paths in a config are relative to the working directory. ``check_paths`` also checks
+    that the model directory and the data files exist.
+    """
     from streamrft.config.validate import validate_all
 
-    validate_all(cfg, world_size)
+    validate_all(cfg, world_size, check_paths)

@@ -4,16 +4,19 @@ from streamrft.config.base import Section
 
 
 class MetricsConfig(Section):
-    port: int = 0  # Prometheus exporter base port (+ local rank); 0 = off
+    port: int = 0  # Prometheus exporter base port; rank r listens on port + local rank; 0 = off
     host: str = "127.0.0.1"  # exporter bind address
-    tensorboard: bool = False  # write TensorBoard event files under output_dir/tb
-    wandb: bool = False
+    tensorboard: bool = False  # write TensorBoard event files under output_dir/tb (rank 0 only)
+    wandb: bool = False  # log scalars to Weights & Biases (rank 0 only; needs the wandb extra)
     wandb_project: str = "streamrft"
-    wandb_mode: str = "offline"  # offline works with no network
+    wandb_mode: str = "offline"  # offline works with no network; "online" | "offline" | "disabled"
     progress: bool = True  # console progress bar on a TTY, plain log lines otherwise
+    progress_log_every_s: float = 30.0  # without a TTY: seconds between plain progress lines
 
 
 class SinksConfig(Section):
     jsonl: str = ""  # directory for per-rank JSONL trajectory files; "" = off
     parquet: str = ""  # directory for rolling Parquet trajectory files; "" = off
-    zmq_pub: str = ""  # ZeroMQ PUB address for trajectory records; "" = off
+    parquet_rows_per_file: int = 4096  # records per Parquet file before the sink rolls to a new one
+    zmq_pub: str = ""  # ZeroMQ PUB address for trajectory records (tcp port + rank); "" = off
+    zmq_hwm: int = 10000  # PUB send high-water mark: records queued per subscriber before dropping

@@ -7,16 +7,17 @@ from streamrft.config.base import Section
 
 class RewardSourceConfig(Section):
     name: str  # component name, exported as its own metric
-    type: Literal["rule", "custom", "remote", "model"] = "rule"
-    fn: str = ""  # rule name (arith, gsm8k, math, ...) or module:function or path/file.py:function
+    type: Literal["rule", "custom", "remote", "model"] = "rule"  # rule (RULES name) | custom (fn spec) | remote | model
+    fn: str = ""  # rule name (arith, gsm8k, math, boxed_format) or module:function or path/file.py:function
     address: str = ""  # remote: tcp://host:port (ZeroMQ) or http://host:port
     model_path: str = ""  # model: reward-model directory
     weight: float = 1.0  # weight in the per-label aggregate
+    label_weights: dict[str, float] = {}  # per-label weight overriding `weight` for those labels
     labels: list[str] = []  # task labels this source scores; [] = all
 
 
 class RewardConfig(Section):
-    sources: list[RewardSourceConfig] = []
-    timeout_s: float = 30.0  # per request
+    sources: list[RewardSourceConfig] = []  # reward sources; empty is an error unless teacher.mode=pure distillation
+    timeout_s: float = 30.0  # per request (remote) or per batch call (local sources)
     max_concurrency: int = 16  # requests in flight to one remote source
     retries: int = 3  # retries of a timed-out or failed remote request (same request id)

@@ -82,7 +82,10 @@ def validate_data(cfg) -> None:
             raise ConfigError(f"data.{key}={value} does not exist")
 
 
-def validate_all(cfg, world_size: int) -> None:
+def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:
+    if check_paths:
+        validate_model(cfg)
+        validate_data(cfg)
     validate_rollout(cfg, world_size)
     validate_engine(cfg)
     validate_train(cfg)

@@ -1,0 +1,93 @@
+"""Pure tensor functions of the algorithm matrix, picked by name from explicit dicts.
+
+ADVANTAGE_ESTIMATORS[algorithm.advantage_estimator] -> Estimator(fn, scope, needs_critic)
+POLICY_LOSSES[algorithm.policy_loss]                -> fn(PolicyLossInputs, cfg) -> PolicyLossOutput
+KL_ESTIMATORS[algorithm.kl_estimator]               -> fn(logp_BT, ref_logp_BT) -> kl_BT
+LOSS_AGG_MODES                                      -> the modes aggregate_loss accepts
+This package imports only torch and the algorithm config section.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from streamrft.algorithms._masked import identity
+from streamrft.algorithms.advantage_types import AdvantageInputs, AdvantageOutputs, Estimator, clip_advantages
+from streamrft.algorithms.advantages_batch import gae, reinforce, reinforce_plus_plus, value_loss
+from streamrft.algorithms.advantages_group import cpgd, dr_grpo, group_norm, reinforce_baseline, rloo
+from streamrft.algorithms.aggregate import LOSS_AGG_MODES, aggregate_loss
+from streamrft.algorithms.filters import (
+    high_entropy_token_mask,
+    overlong_filter,
+    overlong_penalty,
+    zero_variance_groups,
+)
+from streamrft.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    make_kl_controller,
+)
+from streamrft.algorithms.logits import entropy_from_logits, entropy_from_logits_chunked, logprobs_from_logits
+from streamrft.algorithms.normalize import RunningMeanStd, clip_rewards, whiten_advantages
+from streamrft.algorithms.policy_losses import (
+    PolicyLossInputs,
+    PolicyLossOutput,
+    clip_higher,
+    cpg,
+    dual_clip,
+    gmpo,
+    gspo,
+    ppo_clip,
+    tis_weight,
+)
+
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
+    "group_norm": Estimator(group_norm, scope="group"),
+    "dr_grpo": Estimator(dr_grpo, scope="group"),
+    "rloo": Estimator(rloo, scope="group"),
+    "reinforce_baseline": Estimator(reinforce_baseline, scope="group"),
+    "cpgd": Estimator(cpgd, scope="group"),
+    "reinforce": Estimator(reinforce, scope="batch"),
+    "reinforce++": Estimator(reinforce_plus_plus, scope="batch"),
+    "gae": Estimator(gae, scope="batch", needs_critic=True),
+}
+
+POLICY_LOSSES: dict[str, Callable[[PolicyLossInputs, object], PolicyLossOutput]] = {
+    "ppo_clip": ppo_clip,
+    "clip_higher": clip_higher,
+    "dual_clip": dual_clip,
+    "gspo": gspo,
+    "gmpo": gmpo,
+    "cpg": cpg,
+}
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "POLICY_LOSSES",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "AdvantageInputs",
+    "AdvantageOutputs",
+    "Estimator",
+    "PolicyLossInputs",
+    "PolicyLossOutput",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "RunningMeanStd",
+    "aggregate_loss",
+    "clip_advantages",
+    "clip_rewards",
+    "entropy_from_logits",
+    "entropy_from_logits_chunked",
+    "high_entropy_token_mask",
+    "identity",
+    "logprobs_from_logits",
+    "make_kl_controller",
+    "overlong_filter",
+    "overlong_penalty",
+    "tis_weight",
+    "value_loss",
+    "whiten_advantages",
+    "zero_variance_groups",
+]

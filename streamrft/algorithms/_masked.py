@@ -1,0 +1,78 @@
+"""Masked reductions shared by the estimators: group statistics, last response token, discounted sums.
+
+Every function here is exact on ragged batches: positions where ``mask_BT`` is 0 never change a result.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def identity(x: Tensor) -> Tensor:
+    """The single-rank ``all_reduce_sum``: the local sum is already the global sum."""
+    return x
+
+
+def group_stats(rewards_B: Tensor, group_index_B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample (mean, unbiased std, count) of the sample's own group.
+
+    Groups are the distinct values of ``group_index_B`` wherever they sit in the batch (interleaved
+    groups are fine). std uses Bessel's correction, sqrt(sum (r - mean)^2 / (n - 1)); a group of one
+    sample has std 0 by definition here (its centred reward is 0 anyway).
+    """
+    assert rewards_B.dim() == 1 and rewards_B.shape == group_index_B.shape, "rewards and group_index must be (B,)"
+    _, inv_B = torch.unique(group_index_B, return_inverse=True)
+    n_groups = int(inv_B.max().item()) + 1 if inv_B.numel() else 0
+    zeros_G = rewards_B.new_zeros(n_groups)
+    count_G = zeros_G.index_add(0, inv_B, torch.ones_like(rewards_B))
+    mean_G = zeros_G.index_add(0, inv_B, rewards_B) / count_G
+    dev_B = rewards_B - mean_G[inv_B]
+    ss_G = zeros_G.index_add(0, inv_B, dev_B * dev_B)
+    var_G = torch.where(count_G > 1, ss_G / (count_G - 1).clamp(min=1), torch.zeros_like(ss_G))
+    return mean_G[inv_B], var_G.sqrt()[inv_B], count_G[inv_B]
+
+
+def last_token_onehot(mask_BT: Tensor) -> Tensor:
+    """(B, T) one-hot at each row's last response token (all zero for an empty row)."""
+    pos_T = torch.arange(mask_BT.shape[1], device=mask_BT.device)
+    last_B = torch.where(mask_BT > 0, pos_T, torch.full_like(pos_T, -1)).amax(dim=1)  # (B,)
+    return (pos_T[None, :] == last_B[:, None]).to(mask_BT.dtype)
+
+
+def token_level_rewards(rewards_B: Tensor, mask_BT: Tensor, token_rewards_BT: Tensor | None) -> Tensor:
+    """r_t = token_rewards_t (masked) + the sequence reward at the last response token.  (B, T)"""
+    r_BT = last_token_onehot(mask_BT).to(rewards_B.dtype) * rewards_B[:, None]
+    if token_rewards_BT is not None:
+        r_BT = r_BT + torch.where(mask_BT > 0, token_rewards_BT.to(r_BT.dtype), torch.zeros_like(r_BT))
+    return r_BT
+
+
+def discounted_returns(r_BT: Tensor, gamma: float) -> Tensor:
+    """G_t = sum_{k >= t} gamma^(k - t) r_k, by the backward recursion G_t = r_t + gamma G_{t+1}.  (B, T)"""
+    out_BT = torch.zeros_like(r_BT)
+    running_B = torch.zeros_like(r_BT[:, 0])
+    for t in range(r_BT.shape[1] - 1, -1, -1):
+        running_B = r_BT[:, t] + gamma * running_B
+        out_BT[:, t] = running_B
+    return out_BT
+
+
+def masked_global_mean_std(x_BT: Tensor, mask_BT: Tensor, all_reduce_sum) -> tuple[Tensor, Tensor]:
+    """Mean and unbiased std of x over masked tokens of the whole step batch (all ranks).
+
+    One all-reduce of [sum m, sum m x, sum m x^2]; var = (S2 - S1^2 / n) / (n - 1), 0 when n <= 1.
+    """
+    m_BT = (mask_BT > 0).to(x_BT.dtype)
+    xm_BT = torch.where(mask_BT > 0, x_BT, torch.zeros_like(x_BT))
+    stats_3 = torch.stack([m_BT.sum(), xm_BT.sum(), (xm_BT * xm_BT).sum()])
+    n, s1, s2 = all_reduce_sum(stats_3).unbind(0)
+    mean = s1 / n.clamp(min=1)
+    var = ((s2 - s1 * s1 / n.clamp(min=1)) / (n - 1).clamp(min=1)).clamp(min=0)
+    var = torch.where(n > 1, var, torch.zeros_like(var))
+    return mean, var.sqrt()
+
+
+def mask_out(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """x where mask is set, exactly 0 elsewhere (also where x is nan or inf)."""
+    return torch.where(mask_BT > 0, x_BT, torch.zeros_like(x_BT))

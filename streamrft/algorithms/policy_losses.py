@@ -1,0 +1,162 @@
+"""Policy losses: per-token loss (B, T) before aggregation, plus per-token metrics.
+
+Notation: rho_t = pi(y_t) / pi_old(y_t) = exp(logp - old_logp); A_t the advantage; eps_l, eps_h =
+algorithm.clip_eps_low / clip_eps_high (every loss honours both). ``old_logp`` is the learner's
+recomputation at the start of the step; ``behaviour_logp`` is the engine's sampling log-prob.
+
+Truncated importance sampling (TIS, decoupled PPO; arXiv:2110.00641 for the decoupling): every loss is
+multiplied by a detached weight w = min(pi_old / pi_behaviour, tis_cap), per token (tis_mode=token) or
+per sequence with the product of token ratios (tis_mode=sequence), computed in log space so a long
+sequence cannot overflow. tis_mode=off, or behaviour_logp=None, gives w = 1.
+
+Sequence-level losses (gspo, gmpo) write a value on every response token such that
+seq-mean-token-mean aggregation reproduces the paper's per-sequence objective exactly; with token-mean
+a sequence weighs in proportion to its length.
+
+Metrics (all (B, T), zero outside the mask, detached): ratio, clipped (0/1), tis_weight, tis_clipped
+(0/1), plus dual_clipped for dual_clip. Left out: the entropy bonus and KL-in-loss (the learner adds
+``- entropy_coef * H`` and ``kl_coef * KL_ESTIMATORS[kl_estimator](logp, ref_logp)``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from streamrft.algorithms._masked import mask_out
+from streamrft.config.algorithm import AlgorithmConfig
+
+
+@dataclass
+class PolicyLossInputs:
+    logp: Tensor  # (B, T) current policy log-probs of the sampled tokens (with grad)
+    old_logp: Tensor  # (B, T) learner's log-probs at the start of the step (no grad)
+    advantages: Tensor  # (B, T)
+    mask: Tensor  # (B, T) float 0/1 over response tokens
+    behaviour_logp: Tensor | None = None  # (B, T) engine's sampling log-probs (for TIS); None = on-policy
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: Tensor  # (B, T) per-token loss before aggregation, 0 outside the mask
+    metrics: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, T) per-token quantity
+
+
+def tis_weight(inp: PolicyLossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """(w_BT, clipped_BT): detached truncated IS weight min(pi_old / pi_beh, tis_cap) and where it hit the cap."""
+    old_BT = inp.old_logp.detach()
+    if cfg.tis_mode == "off" or inp.behaviour_logp is None:
+        return torch.ones_like(old_BT), torch.zeros_like(old_BT)
+    log_w_BT = mask_out(old_BT - inp.behaviour_logp.detach().to(old_BT.dtype), inp.mask)
+    if cfg.tis_mode == "sequence":
+        log_w_BT = log_w_BT.sum(dim=1, keepdim=True).expand_as(old_BT)
+    elif cfg.tis_mode != "token":
+        raise ValueError(f"algorithm.tis_mode={cfg.tis_mode!r}: choose token, sequence or off")
+    log_cap = math.log(cfg.tis_cap)
+    clipped_BT = (log_w_BT > log_cap).to(old_BT.dtype)
+    return log_w_BT.clamp(max=log_cap).exp(), clipped_BT
+
+
+def _ppo_terms(ratio_BT: Tensor, adv_BT: Tensor, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """max(-A rho, -A clip(rho, 1 - eps_l, 1 + eps_h)) and where the clipped branch is active."""
+    pg1_BT = -adv_BT * ratio_BT
+    pg2_BT = -adv_BT * ratio_BT.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+    return torch.maximum(pg1_BT, pg2_BT), (pg2_BT > pg1_BT)
+
+
+def _finish(loss_BT: Tensor, inp: PolicyLossInputs, cfg: AlgorithmConfig, **metrics: Tensor) -> PolicyLossOutput:
+    w_BT, tis_clipped_BT = tis_weight(inp, cfg)
+    out = {"tis_weight": w_BT, "tis_clipped": tis_clipped_BT, **metrics}
+    out = {k: mask_out(v.detach().to(loss_BT.dtype), inp.mask) for k, v in out.items()}
+    return PolicyLossOutput(mask_out(loss_BT * w_BT.to(loss_BT.dtype), inp.mask), out)
+
+
+def ppo_clip(inp: PolicyLossInputs, cfg: AlgorithmConfig) -> PolicyLossOutput:
+    """PPO clipped surrogate (Schulman et al., arXiv:1707.06347), with asymmetric eps_l / eps_h:
+
+    L_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps_l, 1 + eps_h)).
+    """
+    ratio_BT = torch.exp(inp.logp - inp.old_logp.detach())
+    loss_BT, clipped_BT = _ppo_terms(ratio_BT, inp.advantages, cfg)
+    return _finish(loss_BT, inp, cfg, ratio=ratio_BT, clipped=clipped_BT)
+
+
+def clip_higher(inp: PolicyLossInputs, cfg: AlgorithmConfig) -> PolicyLossOutput:
+    """DAPO clip-higher (Yu et al., arXiv:2503.14476): ppo_clip with eps_h > eps_l (e.g. 0.2 / 0.28).
+
+    The formula is ppo_clip's; the name exists so validate_algorithm can insist on eps_h > eps_l.
+    """
+    return ppo_clip(inp, cfg)
+
+
+def dual_clip(inp: PolicyLossInputs, cfg: AlgorithmConfig) -> PolicyLossOutput:
+    """Dual-clip PPO (Ye et al., arXiv:1912.09729): for A_t < 0 the loss is also bounded by -c A_t,
+
+    L_t = min(L_ppo_t, -c A_t) if A_t < 0 else L_ppo_t,  c = algorithm.dual_clip_c > 1.
+    """
+    ratio_BT = torch.exp(inp.logp - inp.old_logp.detach())
+    ppo_BT, clipped_BT = _ppo_terms(ratio_BT, inp.advantages, cfg)
+    bound_BT = -cfg.dual_clip_c * inp.advantages
+    neg_BT = inp.advantages < 0
+    dual_BT = neg_BT & (bound_BT < ppo_BT)
+    loss_BT = torch.where(neg_BT, torch.minimum(ppo_BT, bound_BT), ppo_BT)
+    return _finish(loss_BT, inp, cfg, ratio=ratio_BT, clipped=clipped_BT | dual_BT, dual_clipped=dual_BT)
+
+
+def gspo(inp: PolicyLossInputs, cfg: AlgorithmConfig) -> PolicyLossOutput:
+    """GSPO (Zheng et al., arXiv:2507.18071), in its GSPO-token form:
+
+    s_i = exp((1/|y_i|) sum_t log rho_t)  (length-normalised sequence ratio),
+    s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)]  (value s_i, gradient s_i * grad log pi(y_t)),
+    L_t = max(-A_t s_it, -A_t clip(s_it, 1 - eps_l, 1 + eps_h)).
+    With A constant over a sequence and seq-mean-token-mean aggregation this is exactly GSPO. The
+    paper's eps are small (3e-4 / 4e-4): set clip_eps_low / clip_eps_high accordingly.
+    """
+    log_rho_BT = mask_out(inp.logp - inp.old_logp.detach(), inp.mask)
+    n_B = inp.mask.sum(dim=1).clamp(min=1)
+    log_s_B1 = (log_rho_BT.sum(dim=1) / n_B)[:, None]
+    ratio_BT = torch.exp(log_s_B1.detach() + inp.logp - inp.logp.detach())
+    loss_BT, clipped_BT = _ppo_terms(ratio_BT, inp.advantages, cfg)
+    return _finish(loss_BT, inp, cfg, ratio=ratio_BT, clipped=clipped_BT)
+
+
+def gmpo(inp: PolicyLossInputs, cfg: AlgorithmConfig) -> PolicyLossOutput:
+    """GMPO (Zhao et al., arXiv:2507.20673): geometric mean of token ratios, clipped per token in log space.
+
+    With A_i the sequence advantage (masked mean of A_t over the sequence) and sgn = sign(A_i):
+    l_t = sgn * min(sgn * log rho_t, sgn * clip(log rho_t, -eps, eps)),  eps = algorithm.gmpo_clip_eps,
+    L_i = -A_i exp((1/|y_i|) sum_t l_t), written on every response token of sequence i.
+    """
+    log_rho_BT = inp.logp - inp.old_logp.detach()
+    n_B = inp.mask.sum(dim=1).clamp(min=1)
+    adv_B = mask_out(inp.advantages, inp.mask).sum(dim=1) / n_B
+    sgn_B1 = torch.sign(adv_B)[:, None]
+    eps = cfg.gmpo_clip_eps
+    clip_BT = log_rho_BT.clamp(-eps, eps)
+    l_BT = sgn_B1 * torch.minimum(sgn_B1 * log_rho_BT, sgn_B1 * clip_BT)
+    clipped_BT = (sgn_B1 * clip_BT) < (sgn_B1 * log_rho_BT)
+    g_B = torch.exp(mask_out(l_BT, inp.mask).sum(dim=1) / n_B)
+    loss_BT = (-adv_B * g_B)[:, None].expand_as(log_rho_BT)
+    return _finish(loss_BT, inp, cfg, ratio=log_rho_BT.exp(), clipped=clipped_BT)
+
+
+def cpg(inp: PolicyLossInputs, cfg: AlgorithmConfig) -> PolicyLossOutput:
+    """CPGD's clipped policy gradient with policy drift (Liu et al., arXiv:2505.12504):
+
+    L_t = max(-A_t log rho_t, -A_t clip(log rho_t, log(1 - eps_l), log(1 + eps_h)))
+          + alpha (rho_t - 1 - log rho_t),
+    the last term the k3 estimate of KL(pi_old || pi) on samples from pi_old, alpha =
+    algorithm.cpg_drift_coef. Selected by name (policy_loss=cpg); pair with advantage_estimator=cpgd.
+    The drift term is used unclipped here.
+    """
+    log_rho_BT = inp.logp - inp.old_logp.detach()
+    lo, hi = math.log(1.0 - cfg.clip_eps_low), math.log(1.0 + cfg.clip_eps_high)
+    pg1_BT = -inp.advantages * log_rho_BT
+    pg2_BT = -inp.advantages * log_rho_BT.clamp(lo, hi)
+    ratio_BT = log_rho_BT.exp()
+    drift_BT = ratio_BT - 1.0 - log_rho_BT
+    loss_BT = torch.maximum(pg1_BT, pg2_BT) + cfg.cpg_drift_coef * drift_BT
+    return _finish(loss_BT, inp, cfg, ratio=ratio_BT, clipped=pg2_BT > pg1_BT, drift=drift_BT)

@@ -1,0 +1,106 @@
+"""The `streamrft` command: one thin entry point per process kind.
+
+Configs are parsed and validated before heavy imports (torch, transformers) happen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _train(args: argparse.Namespace) -> int:
+    from streamrft.config import load_config, validate_config
+
+    cfg = load_config(args.config, args.overrides)
+    world_size = _env_world_size()
+    validate_config(cfg, world_size)
+    if args.dry_run:
+        print(f"streamrft: {args.config} is valid for world_size={world_size}")
+        return 0
+    from streamrft.runtime.driver import train
+
+    summary = train(cfg)
+    if _env_rank() == 0:
+        print("summary: " + json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in summary.items()}), flush=True)
+    return 0
+
+
+def _env_world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _env_rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+def _serve_reward(argv: list[str]) -> int:
+    from streamrft.rewards.service import serve_reward_main
+
+    return serve_reward_main(argv)
+
+
+def _trajectories(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("analyze", "render"):
+        print("usage: streamrft trajectories {analyze,render} PATH [...]", file=sys.stderr)
+        return 2
+    if argv[0] == "analyze":
+        from streamrft.sinks.analyze import analyze_main
+
+        return analyze_main(argv[1:])
+    from streamrft.sinks.render import render_main
+
+    return render_main(argv[1:])
+
+
+def _schema(_args: argparse.Namespace) -> int:
+    from protocols.schema import main
+
+    main()
+    return 0
+
+
+# Subcommands whose argument parsing belongs to their own module (they run without torch).
+_PASSTHROUGH = {"serve-reward": _serve_reward, "trajectories": _trajectories}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamrft", description="Streaming reinforcement fine-tuning.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a policy: streamrft train CONFIG.yaml key=value ...")
+    train.add_argument("config", help="YAML or TOML config file")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10")
+    train.add_argument("--dry-run", action="store_true", help="validate the config and exit")
+    train.set_defaults(func=_train)
+    schema = sub.add_parser("schema", help="print the JSON Schema of every wire message")
+    schema.set_defaults(func=_schema)
+    sub.add_parser("serve-reward", help="serve a reward function over ZeroMQ or HTTP (see its --help)")
+    sub.add_parser("trajectories", help="analyze or render trajectory files (see its --help)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _PASSTHROUGH:
+        return _PASSTHROUGH[argv[0]](argv[1:])
+    args = build_parser().parse_args(argv)
+    from streamrft.config import ConfigError
+    from streamrft.data import DataError
+
+    try:
+        return args.func(args)
+    except (ConfigError, DataError) as exc:
+        print(f"streamrft: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        print(str(exc) or "streamrft: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Prompt datasets from jsonl or parquet, checked row by row with errors naming file, row and field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class DataError(ValueError):
+    """A dataset file or row that cannot be used; the message names file, row and field."""
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    prompt: str
+    reference: str
+    label: str
+    row: int  # 0-based row in the file
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        raise DataError(f"dataset file {path} does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix not in (".jsonl", ".json"):
+        raise DataError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
+    rows = []
+    with path.open() as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: row {len(rows)} (line {i + 1}) is not valid JSON: {exc}") from None
+    return rows
+
+
+class PromptDataset:
+    """Rows of (prompt, reference, label). ``reference`` and ``label`` may be absent if not required."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        prompt_field: str = "prompt",
+        reference_field: str = "reference",
+        label_field: str = "label",
+        require_reference: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.rows: list[PromptRow] = []
+        for i, raw in enumerate(_read_rows(self.path)):
+            if not isinstance(raw, dict):
+                raise DataError(f"{self.path}: row {i} is a {type(raw).__name__}, expected an object")
+            self.rows.append(self._parse(i, raw, prompt_field, reference_field, label_field, require_reference))
+        if not self.rows:
+            raise DataError(f"{self.path}: the dataset has no rows")
+
+    def _parse(self, i, raw, prompt_field, reference_field, label_field, require_reference) -> PromptRow:
+        def field(name: str, required: bool, default: str = "") -> str:
+            if name not in raw or raw[name] is None:
+                if required:
+                    raise DataError(
+                        f"{self.path}: row {i} has no field {name!r} (fields present: {sorted(raw)}); "
+                        f"fix the row or set data.{'prompt' if name == prompt_field else 'reference'}_field"
+                    )
+                return default
+            value = raw[name]
+            if not isinstance(value, (str, int, float)):
+                raise DataError(f"{self.path}: row {i} field {name!r} is a {type(value).__name__}, expected text")
+            return str(value)
+
+        return PromptRow(
+            prompt=field(prompt_field, True),
+            reference=field(reference_field, require_reference),
+            label=field(label_field, False, "default") or "default",
+            row=i,
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> PromptRow:
+        return self.rows[i]

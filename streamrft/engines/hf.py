@@ -1,0 +1,303 @@
+"""The embedded rollout engine: batched, KV-cached sampling with a Hugging Face causal LM in process.
+
+In colocated mode (the default) ``module`` IS the learner's model (possibly FSDP2-sharded; the caller
+unshards it before ``generate``); the engine never copies it. A non-colocated copy receives weights
+through ``update_weights``.
+
+Decoding, per chunk of at most ``engine.max_batch_size`` requests:
+
+1. Prefill: prompts are left-padded to the chunk's longest prompt; ``attention_mask`` hides the pads
+   and explicit ``position_ids = cumsum(mask) - 1`` give every real token the position it would have
+   alone, so a padded row decodes like the row alone (within fp32 noise).
+2. Decode: each step feeds the last sampled token of every unfinished row with the KV cache
+   (``transformers.DynamicCache``), samples from ``process_logits`` with the row's own seeded
+   generator (``GenerationRequest.seed``) and records ``log p(token)`` under the distribution
+   actually sampled from.
+3. A row finishes on a stop token (``engine.stop_token_ids`` or the tokenizer's EOS; the stop token is
+   kept as the last entry of ``response_ids``, finish_reason ``"stop"``) or when it reaches its
+   ``max_new_tokens`` (finish_reason ``"length"``). It is yielded at once and dropped from the batch
+   and the cache, so short answers flow on while long ones still decode.
+
+Every forward runs in a worker thread (``asyncio.to_thread``), so other coroutines of the event loop
+(reward scoring, channels) progress while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator, Iterable
+
+import torch
+from transformers import DynamicCache
+
+from streamrft.engines.base import GeneratedSample, GenerationRequest
+from streamrft.engines.sampling import logprob_of, process_logits, sample_tokens
+
+if TYPE_CHECKING:
+    from streamrft.config.engine import EngineConfig
+
+
+def validate_engine_config(cfg: EngineConfig) -> None:
+    """Raise ValueError for sampling settings the hf engine cannot run."""
+    if cfg.temperature <= 0:
+        raise ValueError(f"engine.temperature={cfg.temperature} must be > 0; use engine.top_k=1 for greedy")
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise ValueError(f"engine.top_p={cfg.top_p} must be in (0, 1]")
+    if cfg.top_k < 0:
+        raise ValueError(f"engine.top_k={cfg.top_k} must be >= 0 (0 = off)")
+    if cfg.first_token_temperature < 0:
+        raise ValueError(f"engine.first_token_temperature={cfg.first_token_temperature} must be >= 0 (0 = off)")
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"engine.max_new_tokens={cfg.max_new_tokens} must be >= 1")
+    if cfg.max_batch_size < 1:
+        raise ValueError(f"engine.max_batch_size={cfg.max_batch_size} must be >= 1")
+
+
+def _cache_kwarg(module: torch.nn.Module) -> str:
+    """The forward keyword for the KV cache: ``cache`` (transformers >= 5.x) or ``past_key_values``."""
+    for sub in module.modules():
+        params = inspect.signature(sub.forward).parameters
+        if "cache" in params:
+            return "cache"
+        if "past_key_values" in params:
+            return "past_key_values"
+    return "past_key_values"
+
+
+def _new_cache(module: torch.nn.Module) -> DynamicCache:
+    config = getattr(module, "config", None)
+    try:
+        return DynamicCache(config=config) if config is not None else DynamicCache()
+    except TypeError:  # older transformers: DynamicCache() takes no config
+        return DynamicCache()
+
+
+@dataclass
+class _Row:
+    """Decode state of one unfinished sequence."""
+
+    request: GenerationRequest
+    max_new_tokens: int
+    generator: torch.Generator
+    response_ids: list[int]
+    logprobs: list[float]
+
+
+class HFEngine:
+    """RolloutEngine over an in-process ``torch.nn.Module`` (a Hugging Face causal LM)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        cfg: EngineConfig,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        device: torch.device,
+        policy_version: int = 0,
+    ):
+        validate_engine_config(cfg)
+        self.module = module
+        self.cfg = cfg
+        self.stop_token_ids = frozenset(cfg.stop_token_ids) | frozenset(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.device = torch.device(device)
+        self.policy_version = policy_version
+        self._cache_kwarg = _cache_kwarg(module)
+        self._active = 0  # generate() calls in flight; the module's mode is restored when it drops to 0
+        self._was_training = False
+        self._asleep = False
+        self._offloaded_from: torch.device | None = None
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, requests: list[GenerationRequest]) -> AsyncIterator[GeneratedSample]:
+        """Yield each sample as soon as its own sequence ends (stop token or length), not at batch end."""
+        if self._asleep:
+            raise RuntimeError("HFEngine.generate called while asleep; call await engine.wake() first")
+        self._validate_requests(requests)
+        start = time.perf_counter()
+        self._enter()
+        try:
+            size = self.cfg.max_batch_size
+            for lo in range(0, len(requests), size):
+                async for sample in self._generate_chunk(requests[lo : lo + size], start):
+                    yield sample
+        finally:
+            self._exit()
+
+    async def generate_all(self, requests: list[GenerationRequest]) -> list[GeneratedSample]:
+        """All samples, in request order."""
+        by_id = {s.request_id: s async for s in self.generate(requests)}
+        return [by_id[r.request_id] for r in requests]
+
+    def _validate_requests(self, requests: list[GenerationRequest]) -> None:
+        seen: set[str] = set()
+        limit = getattr(getattr(self.module, "config", None), "max_position_embeddings", None)
+        for r in requests:
+            if r.request_id in seen:
+                raise ValueError(f"request_id {r.request_id!r} appears twice; request ids must be unique")
+            seen.add(r.request_id)
+            if not r.prompt_ids:
+                raise ValueError(f"request {r.request_id!r} has an empty prompt; every prompt needs >= 1 token")
+            n_new = self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+            if n_new < 1:
+                raise ValueError(f"request {r.request_id!r} has max_new_tokens={n_new}; it must be >= 1")
+            if limit is not None and len(r.prompt_ids) + n_new > limit:
+                raise ValueError(
+                    f"request {r.request_id!r}: prompt of {len(r.prompt_ids)} tokens + max_new_tokens={n_new} "
+                    f"exceeds the model's max_position_embeddings={limit}; shorten the prompt or lower "
+                    "engine.max_new_tokens")
+
+    def _enter(self) -> None:
+        if self._active == 0:
+            self._was_training = self.module.training
+            self.module.eval()
+        self._active += 1
+
+    def _exit(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self.module.train(self._was_training)
+
+    async def _generate_chunk(self, requests: list[GenerationRequest], start: float) -> AsyncIterator[GeneratedSample]:
+        rows = [
+            _Row(
+                request=r,
+                max_new_tokens=self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens,
+                generator=torch.Generator(device=self.device).manual_seed(r.seed),
+                response_ids=[],
+                logprobs=[],
+            )
+            for r in requests
+        ]
+        cache = _new_cache(self.module)
+        input_ids_BL, mask_BL, position_ids_BL = self._left_pad([r.prompt_ids for r in requests])
+        step = 0
+        while rows:
+            temperature = self.cfg.temperature
+            if step == 0 and self.cfg.first_token_temperature > 0:
+                temperature = self.cfg.first_token_temperature
+            tokens, logps = await asyncio.to_thread(
+                self._step, input_ids_BL, mask_BL, position_ids_BL, cache, [r.generator for r in rows], temperature,
+            )
+            keep: list[int] = []
+            finished: list[GeneratedSample] = []
+            for i, (row, token, logp) in enumerate(zip(rows, tokens, logps)):
+                row.response_ids.append(token)
+                row.logprobs.append(logp)
+                if token in self.stop_token_ids:
+                    reason = "stop"
+                elif len(row.response_ids) >= row.max_new_tokens:
+                    reason = "length"
+                else:
+                    keep.append(i)
+                    continue
+                finished.append(GeneratedSample(
+                    request_id=row.request.request_id,
+                    response_ids=row.response_ids,
+                    logprobs=row.logprobs,
+                    finish_reason=reason,
+                    policy_version=self.policy_version,
+                    seconds=time.perf_counter() - start,
+                ))
+            for sample in finished:
+                yield sample
+            if not keep:
+                break
+            tokens_B1 = torch.tensor(tokens, device=self.device).unsqueeze(-1)
+            if len(keep) < len(rows):
+                keep_B = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(keep_B)
+                mask_BL, position_ids_BL, tokens_B1 = mask_BL[keep_B], position_ids_BL[keep_B], tokens_B1[keep_B]
+                rows = [rows[i] for i in keep]
+            input_ids_BL = tokens_B1
+            mask_BL = torch.cat([mask_BL, torch.ones_like(mask_BL[:, :1])], dim=1)
+            position_ids_BL = position_ids_BL[:, -1:] + 1
+            step += 1
+        del cache
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids (B, L), attention_mask (B, L), position_ids (B, L) for left-padded prompts."""
+        length = max(len(p) for p in prompts)
+        ids_BL = torch.full((len(prompts), length), self.pad_token_id, dtype=torch.long)
+        mask_BL = torch.zeros((len(prompts), length), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids_BL[i, length - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask_BL[i, length - len(p):] = 1
+        position_ids_BL = (mask_BL.cumsum(dim=1) - 1).clamp(min=0)
+        return ids_BL.to(self.device), mask_BL.to(self.device), position_ids_BL.to(self.device)
+
+    def _step(
+        self,
+        input_ids_BL: torch.Tensor,
+        mask_BL: torch.Tensor,
+        position_ids_BL: torch.Tensor,
+        cache: DynamicCache,
+        generators: list[torch.Generator],
+        temperature: float,
+    ) -> tuple[list[int], list[float]]:
+        """One forward (prefill or decode) and one sampled token per row; runs in a worker thread,
+        so grad mode is set here (it is thread-local)."""
+        with torch.no_grad():
+            out = self.module(
+                input_ids=input_ids_BL,
+                attention_mask=mask_BL,
+                position_ids=position_ids_BL,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kwarg: cache},
+            )
+            logits_BV = process_logits(out.logits[:, -1, :], temperature, self.cfg.top_k, self.cfg.top_p)
+            tokens_B = sample_tokens(logits_BV, generators)
+            logp_B = logprob_of(logits_BV, tokens_B)
+        return tokens_B.tolist(), logp_B.tolist()
+
+    # ------------------------------------------------------------------ lifecycle and weights
+
+    async def sleep(self, level: int = 1) -> None:
+        """Level 1: the engine keeps no KV cache between calls, so only the allocator cache is freed.
+        Level 2: also move the weights to CPU when they live on an accelerator (no-op on CPU)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level} must be 1 or 2; set engine.sleep_level")
+        if self._active:
+            raise RuntimeError(f"HFEngine.sleep called with {self._active} generate() calls in flight; "
+                               "finish or cancel them first")
+        if level == 2:
+            param = next(self.module.parameters(), None)
+            if param is not None and param.device.type != "cpu":
+                self._offloaded_from = param.device
+                self.module.to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    async def wake(self) -> None:
+        """Undo ``sleep``: move offloaded weights back to their device."""
+        if self._offloaded_from is not None:
+            self.module.to(self._offloaded_from)
+            self._offloaded_from = None
+        self._asleep = False
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy tensors into the module's parameters/buffers by name, then set ``policy_version``.
+
+        Names are the module's own ``state_dict`` names (tied weights may appear under either name).
+        In colocated mode the module already is the learner's model: call ``update_weights([], version)``,
+        which only bumps the version.
+        """
+        targets = dict(self.module.named_parameters(remove_duplicate=False))
+        targets.update(dict(self.module.named_buffers(remove_duplicate=False)))
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    raise ValueError(f"update_weights: the engine's module has no parameter named {name!r}; "
+                                     "send names from the same model class (state_dict names)")
+                if target.shape != tensor.shape:
+                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)} but the engine "
+                                     f"expects {tuple(target.shape)}")
+                target.copy_(tensor)
+        self.policy_version = version

@@ -1,0 +1,23 @@
+"""Learner strategies, chosen by train.strategy through the explicit STRATEGIES dict."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from streamrft.learner.fsdp2 import FSDP2Strategy
+
+if TYPE_CHECKING:
+    from streamrft.config.model import ModelConfig
+    from streamrft.config.train import TrainConfig
+    from streamrft.runtime.distributed import DistInfo
+
+STRATEGIES = {"fsdp2": FSDP2Strategy}  # "deepspeed" later, behind the same methods
+
+
+def build_strategy(model_cfg: ModelConfig, train_cfg: TrainConfig, dist: DistInfo, total_steps: int):
+    """The strategy named by train.strategy, built for this rank."""
+    cls = STRATEGIES.get(train_cfg.strategy)
+    if cls is None:
+        raise ValueError(f"train.strategy={train_cfg.strategy!r} is not available; "
+                         f"use one of {sorted(STRATEGIES)}")
+    return cls(model_cfg, train_cfg, dist, total_steps)

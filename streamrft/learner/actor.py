@@ -1,0 +1,201 @@
+"""One actor update per train step: old/reference log-probs, batch-scope advantages, the policy loss.
+
+The algorithm lives in ``streamrft.algorithms`` (chosen by name); this module only moves tensors:
+it computes global normalisers (tokens and sequences across all ranks) so that summing the loss over
+microbatches and ranks equals the loss of the whole global batch, whatever the split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamrft.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    AdvantageInputs,
+    PolicyLossInputs,
+    aggregate_loss,
+)
+from streamrft.algorithms.filters import high_entropy_token_mask
+from streamrft.learner.microbatch import SequenceSample, make_microbatches
+from streamrft.runtime.feed import TrainSample
+
+# Per-token metrics of the policy loss that are averaged over the global batch's response tokens.
+_TOKEN_METRICS = ("clipped", "ratio", "tis_clipped", "tis_weight")
+
+
+def _pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max((len(r) for r in rows), default=0) or 1
+    out = torch.zeros(len(rows), T, dtype=torch.float32)
+    mask = torch.zeros(len(rows), T, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+        mask[i, : len(r)] = 1.0
+    return out, mask
+
+
+def _rows_from_microbatches(mbs, key: str, n: int) -> list[torch.Tensor]:
+    """Per-sample response vectors of a (B, L) field, gathered back into sample order."""
+    rows: list[torch.Tensor | None] = [None] * n
+    for mb in mbs:
+        for i, idx in enumerate(mb["sample_index"].tolist()):
+            rows[idx] = mb[key][i][mb["response_mask"][i].bool()].float()
+    return rows  # type: ignore[return-value]
+
+
+def _scatter_rows(mbs, key: str, rows: list[torch.Tensor]) -> None:
+    for mb in mbs:
+        field = torch.zeros_like(mb["response_mask"], dtype=torch.float32)
+        for i, idx in enumerate(mb["sample_index"].tolist()):
+            field[i][mb["response_mask"][i].bool()] = rows[idx]
+        mb[key] = field
+
+
+class ActorUpdate:
+    def __init__(self, strategy, reference, cfg, all_reduce_sum):
+        self.strategy, self.reference, self.cfg = strategy, reference, cfg
+        self.algo = cfg.algorithm
+        self.all_reduce_sum = all_reduce_sum
+        self.estimator = ADVANTAGE_ESTIMATORS[self.algo.advantage_estimator]
+        self.policy_loss = POLICY_LOSSES[self.algo.policy_loss]
+        self.kl_fn = KL_ESTIMATORS[self.algo.kl_estimator]
+        self.temperature = cfg.engine.temperature
+        self.kl_coef = self.algo.kl_coef
+
+    def _global(self, value: float) -> float:
+        return float(self.all_reduce_sum(torch.tensor([float(value)], dtype=torch.float64)).item())
+
+    def _microbatches(self, batch: list[TrainSample]):
+        seqs = []
+        for s in batch:
+            tensors = {"behaviour_logprobs": s.behaviour_logprobs}
+            if s.advantages is not None:
+                tensors["advantages"] = s.advantages
+            if s.teacher_logprobs is not None:
+                tensors["teacher_logprobs"] = s.teacher_logprobs
+            seqs.append(SequenceSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, tensors=tensors))
+        return make_microbatches(seqs, self.cfg.train.micro_batch_tokens)
+
+    def _batch_advantages(self, batch: list[TrainSample], mbs) -> None:
+        """Batch-scope estimators (reinforce++, reinforce, ...) over the whole local batch, with
+        global statistics through all_reduce_sum."""
+        n = len(batch)
+        group_of: dict[str, int] = {}
+        group_index = torch.tensor([group_of.setdefault(s.header.completion.group_id, len(group_of)) for s in batch])
+        rewards = torch.tensor([s.header.reward for s in batch], dtype=torch.float32)
+        mask_rows = [torch.ones(len(s.response_ids)) for s in batch]
+        _, mask_BT = _pad_rows(mask_rows)
+        token_rewards = None
+        if self.kl_coef > 0 and self.algo.kl_mode == "reward":
+            kl_rows = [k for k in _rows_from_microbatches(mbs, "kl_tokens", n)]
+            kl_BT, _ = _pad_rows(kl_rows)
+            token_rewards = -self.kl_coef * kl_BT
+        out = self.estimator.fn(
+            AdvantageInputs(rewards=rewards, group_index=group_index, response_mask=mask_BT, token_rewards=token_rewards, values=None),
+            self.algo,
+            self.all_reduce_sum,
+        )
+        rows = [out.advantages[i, : len(s.response_ids)] for i, s in enumerate(batch)]
+        _scatter_rows(mbs, "advantages", rows)
+
+    def train_step(self, batch: list[TrainSample]) -> dict[str, float]:
+        """One step over this rank's samples: returns metrics already reduced over all ranks."""
+        mbs = self._microbatches(batch)
+        n_updates = self.cfg.train.ppo_epochs * self.cfg.train.mini_batches_per_step
+        for mb in mbs:
+            if self.reference is not None and self.kl_coef > 0:
+                ref_logp, _ = self.reference.compute_logprobs(mb, self.temperature), None
+                mb["ref_logp"] = ref_logp
+            if n_updates > 1 or (self.kl_coef > 0 and self.algo.kl_mode == "reward"):
+                old_logp, _ = self.strategy.compute_logprobs(mb, self.temperature)
+                mb["old_logp"] = old_logp
+                if "ref_logp" in mb:
+                    mb["kl_tokens"] = self.kl_fn(old_logp, mb["ref_logp"]) * mb["response_mask"]
+        if self.estimator.scope == "batch":
+            self._batch_advantages(batch, mbs)
+
+        totals: dict[str, float] = {}
+        n_tokens = self._global(sum(float(mb["response_mask"].sum()) for mb in mbs))
+        n_seqs = self._global(len(batch))
+        step_stats: dict[str, float] = {}
+        for _epoch in range(self.cfg.train.ppo_epochs):
+            for mini in _split(mbs, self.cfg.train.mini_batches_per_step):
+                mini_tokens = self._global(sum(float(mb["response_mask"].sum()) for mb in mini))
+                mini_seqs = self._global(sum(len(mb["sample_index"]) for mb in mini))
+                for mb in mini:
+                    stats = self.strategy.forward_backward(
+                        mb, self._loss_fn(mini_tokens, mini_seqs), self.temperature, with_entropy=True
+                    )
+                    for k, v in stats.items():
+                        totals[k] = totals.get(k, 0.0) + float(v)
+                step_stats = self.strategy.step()
+        reduced = {k: self._global(v) for k, v in sorted(totals.items())}
+        updates = float(n_updates)
+        out = {
+            "loss": reduced.pop("loss_sum", 0.0) / updates,
+            "kl": reduced.pop("kl_sum", 0.0) / max(n_tokens * updates, 1.0),
+            "entropy": reduced.pop("entropy_sum", 0.0) / max(n_tokens * updates, 1.0),
+            "tokens_kept_fraction": reduced.pop("kept_sum", 0.0) / max(n_tokens * updates, 1.0),
+        }
+        for name in _TOKEN_METRICS:
+            if f"{name}_sum" in reduced:
+                out[f"{name}_mean" if name in ("ratio", "tis_weight") else f"{name}_fraction"] = reduced.pop(f"{name}_sum") / max(n_tokens * updates, 1.0)
+        if "ratio_max" in reduced:
+            out["ratio_max"] = reduced.pop("ratio_max")
+        out.update({k: float(v) for k, v in step_stats.items()})
+        out["train_tokens"] = n_tokens
+        out["train_sequences"] = n_seqs
+        return out
+
+    def _loss_fn(self, n_tokens_global: float, n_seqs_global: float):
+        algo, max_len = self.algo, self.cfg.engine.max_new_tokens
+
+        def loss_fn(mb, logp_BL, entropy_BL):
+            mask = mb["response_mask"].to(logp_BL.dtype)
+            old_logp = mb["old_logp"] if "old_logp" in mb else logp_BL.detach()
+            loss_mask = mask
+            if algo.high_entropy_ratio < 1.0 and entropy_BL is not None:
+                loss_mask = mask * high_entropy_token_mask(entropy_BL.detach(), mask, algo.high_entropy_ratio).to(mask.dtype)
+            out = self.policy_loss(
+                PolicyLossInputs(
+                    logp=logp_BL,
+                    old_logp=old_logp,
+                    advantages=mb["advantages"].to(logp_BL.dtype),
+                    mask=loss_mask,
+                    behaviour_logp=mb["behaviour_logprobs"].to(logp_BL.dtype),
+                ),
+                algo,
+            )
+            loss = aggregate_loss(out.loss, loss_mask, algo.loss_agg_mode, n_tokens_global, n_seqs_global, max_len)
+            metrics = {"kept_sum": loss_mask.sum().detach()}
+            if "ref_logp" in mb:
+                kl_BL = self.kl_fn(logp_BL, mb["ref_logp"].to(logp_BL.dtype))
+                if algo.kl_mode == "loss":
+                    loss = loss + self.kl_coef * aggregate_loss(kl_BL, mask, algo.loss_agg_mode, n_tokens_global, n_seqs_global, max_len)
+                metrics["kl_sum"] = (kl_BL.detach() * mask).sum()
+            if entropy_BL is not None:
+                metrics["entropy_sum"] = (entropy_BL.detach() * mask).sum()
+                if algo.entropy_coef:
+                    loss = loss - algo.entropy_coef * aggregate_loss(entropy_BL, mask, algo.loss_agg_mode, n_tokens_global, n_seqs_global, max_len)
+            for name in _TOKEN_METRICS:
+                if name in out.metrics:
+                    metrics[f"{name}_sum"] = (out.metrics[name].detach().to(mask.dtype) * mask).sum()
+            metrics["loss_sum"] = loss.detach()
+            return loss, metrics
+
+        return loss_fn
+
+
+def _split(items: list, parts: int) -> list[list]:
+    """Split microbatches into ``parts`` contiguous mini-batches (sizes differ by at most one)."""
+    if parts <= 1:
+        return [items]
+    k, r = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + k + (1 if i < r else 0)
+        if end > start:
+            out.append(items[start:end])
+        start = end
+    return out

@@ -1,0 +1,251 @@
+"""The FSDP2 strategy: a Hugging Face causal LM sharded with ``fully_shard``, trained with AdamW.
+
+Sharding: each decoder layer is its own FSDP group, then the root (embeddings, final norm, LM head) is one
+more group; parameters are kept in float32 and, when model.dtype is bf16/fp16, cast for compute by a
+MixedPrecisionPolicy (gradients reduced in float32). Works at world size 1 on a one-rank group.
+
+Gradient scaling: the caller's loss on each rank is already normalised by *global* token counts, so the
+gradient we want is d/dθ sum_ranks loss_rank. FSDP2 averages gradients over ranks by default; we set the
+gradient divide factor to 1 so its reduction is a plain sum. Microbatch gradients accumulate (no division
+by the number of microbatches). Every rank must call forward_backward the same number of times per step
+(pad with ``microbatch.padding_microbatch`` when a rank has fewer), because each backward reduces.
+
+Log-probs are computed by a forward method registered with FSDP (``register_fsdp_forward_method``), so the
+root group is gathered around the chunked LM-head computation of ``logprobs.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from streamrft.learner.base import LossFn
+from streamrft.learner.logprobs import token_logprobs
+from streamrft.learner.optim import build_lr_scheduler, build_optimizer
+
+if TYPE_CHECKING:
+    from streamrft.config.model import ModelConfig
+    from streamrft.config.train import TrainConfig
+    from streamrft.runtime.distributed import DistInfo
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOGPROB_METHOD = "streamrft_token_logprobs"  # the FSDP forward method added to the model instance
+
+
+def load_pretrained(path: str, model_cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """AutoModelForCausalLM.from_pretrained(path) on CPU in ``dtype``, with a clear error when missing."""
+    from transformers import AutoModelForCausalLM
+
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model.path={path!r} is not a Hugging Face model directory (no config.json); "
+                         "set model.path to a directory made by save_pretrained")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=model_cfg.attn_implementation)
+
+
+def _logprob_method(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
+                    chunk_size: int = 1024):
+    return token_logprobs(self, mb, temperature, with_entropy, chunk_size)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a HF causal LM (``model.get_decoder().layers``)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"{type(model).__name__}: cannot find decoder layers at get_decoder().layers; "
+                         "this model family is not supported by the fsdp2 strategy yet")
+    return list(layers)
+
+
+def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dtype | None) -> torch.nn.Module:
+    """fully_shard each decoder layer, then the root; register the log-prob forward method. In place."""
+    mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+    kwargs = {"mesh": mesh, "reshard_after_forward": True}
+    if compute_dtype is not None and compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    model.__dict__[LOGPROB_METHOD] = types.MethodType(_logprob_method, model)
+    register_fsdp_forward_method(model, LOGPROB_METHOD)
+    return model
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def move_batch(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+
+
+def _apply_freeze_prefix(model: torch.nn.Module, prefixes: list[str]) -> None:
+    names = [n for n, _ in model.named_parameters()]
+    for prefix in prefixes:
+        if not any(n.startswith(prefix) for n in names):
+            raise ValueError(f"model.freeze_prefix entry {prefix!r} matches no parameter; names look like "
+                             f"{names[:3]}; fix or remove the entry")
+    for name, p in model.named_parameters():
+        if any(name.startswith(prefix) for prefix in prefixes):
+            p.requires_grad_(False)
+
+
+class FSDP2Strategy:
+    """The learner backend for one policy model (see the module docstring)."""
+
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: DistInfo, total_steps: int):
+        from transformers import AutoTokenizer
+
+        self.rank, self.world_size, self.device = dist.rank, dist.world_size, dist.device
+        self.train_cfg = train_cfg
+        self.compute_dtype = _DTYPES[model_cfg.dtype]
+        if self.compute_dtype != torch.float32 and dist.device.type == "cpu" and model_cfg.dtype == "float16":
+            raise ValueError("model.dtype='float16' is not supported on CPU; use 'float32' or 'bfloat16'")
+        model = load_pretrained(model_cfg.path, model_cfg, torch.float32)  # fp32 master weights
+        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
+        _apply_freeze_prefix(model, model_cfg.freeze_prefix)
+        if model_cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        model.train()  # HF gradient checkpointing is active only in train mode
+        self.module = shard_model(model, dist, self.compute_dtype).to(self.device)
+        for m in fsdp_modules(self.module):
+            m.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
+        self.optimizer = build_optimizer(self.module.parameters(), train_cfg)
+        self.scheduler = build_lr_scheduler(self.optimizer, train_cfg, total_steps)
+        self._rollout_mode = False
+
+    # ---- compute -------------------------------------------------------------------------------------
+    def _logprobs(self, mb, temperature: float, with_entropy: bool):
+        if self._rollout_mode:
+            raise RuntimeError(f"rank {self.rank}: call reshard_after_rollout() before computing log-probs")
+        return getattr(self.module, LOGPROB_METHOD)(move_batch(mb, self.device), temperature, with_entropy)
+
+    @torch.no_grad()
+    def compute_logprobs(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False):
+        """(logp_BL, entropy_BL | None) under the current weights, no grad, float32 on self.device."""
+        return self._logprobs(mb, temperature, with_entropy)
+
+    def forward_backward(self, mb: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
+                         with_entropy: bool = False) -> dict[str, float]:
+        """Accumulate d(loss)/dθ for one microbatch; ``loss_fn(mb, logp_BL, entropy_BL) -> (loss, metrics)``.
+
+        ``loss`` must already be normalised by global counts; gradients are summed over ranks and
+        microbatches. Returns {"loss": ..., **metrics} as floats.
+        """
+        mb = move_batch(mb, self.device)
+        logp_BL, entropy_BL = self._logprobs(mb, temperature, with_entropy)
+        loss, metrics = loss_fn(mb, logp_BL, entropy_BL)
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn returned a loss of shape {tuple(loss.shape)}; it must return a scalar")
+        loss.backward()
+        out = {"loss": float(loss.detach())}
+        out.update({k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()})
+        return out
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of all trainable gradients (a plain tensor, the same on every rank)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def step(self) -> dict[str, float]:
+        """Clip to train.grad_clip by the global grad norm, AdamW step, LR schedule step, zero grads."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = self.grad_norm()
+        if self.train_cfg.grad_clip > 0 and params:
+            torch.nn.utils.clip_grads_with_norm_(params, self.train_cfg.grad_clip, norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm = float(norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    # ---- colocated rollout ---------------------------------------------------------------------------
+    def unshard_for_rollout(self) -> None:
+        """Gather full parameters and keep them: ``self.module`` then runs any number of forwards (e.g.
+        ``generate``) with no collectives, so ranks may run different numbers of forwards."""
+        modules = fsdp_modules(self.module)
+        self.module.unshard()  # the root first: its lazy init must precede the layers'
+        for m in modules:
+            m.set_reshard_after_forward(False)
+            m.unshard()
+        self._rollout_mode = True
+
+    def reshard_after_rollout(self) -> None:
+        for m in fsdp_modules(self.module):
+            m.reshard()
+            m.set_reshard_after_forward(True)
+        self._rollout_mode = False
+
+    # ---- memory --------------------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Move sharded params and optimizer state to CPU (a no-op when training on CPU)."""
+        self._move_to(torch.device("cpu"))
+
+    def reload(self) -> None:
+        """Bring sharded params and optimizer state back to self.device (a no-op on CPU)."""
+        self._move_to(self.device)
+
+    def _move_to(self, device: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        self.module.to(device)
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    state[k] = v.to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        if device.type == "cpu":
+            torch.cuda.empty_cache()
+
+    # ---- weights out ---------------------------------------------------------------------------------
+    def full_state_for_engine(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full (unsharded) weights in HF state-dict names, in buckets of about ``bucket_bytes``.
+
+        A collective: every rank must drain the iterator. Tensors are in model.dtype on self.device.
+        """
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, value in self.module.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            full = full.to(self.compute_dtype) if full.is_floating_point() else full
+            bucket.append((name, full))
+            size += full.numel() * full.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Sharded model + optimizer + scheduler state with torch.distributed.checkpoint (all ranks call)."""
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()},
+                 checkpoint_id=path)
+
+    def load(self, path: str) -> None:
+        """Restore what ``save`` wrote (all ranks call, same world size or resharded by DCP)."""
+        if not os.path.isdir(path):
+            raise ValueError(f"checkpoint path {path!r} (rank {self.rank}) does not exist; check checkpoint.resume")
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])

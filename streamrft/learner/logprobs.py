@@ -1,0 +1,80 @@
+"""Per-token log-probs and entropy from hidden states, without the full (B, L, V) float32 logits.
+
+For a causal LM with temperature T, the log-prob of token x_t given x_<t is
+
+    logp[b, t] = z[b, t-1, x_t] / T - logsumexp_v(z[b, t-1, v] / T),   z = lm_head(hidden)
+
+and the entropy of the same distribution is H[b, t] = -sum_v p_v log p_v. Only positions with
+response_mask[b, t] = 1 need logits: we gather their (t-1) hidden states into an (N, H) matrix and run the
+head in chunks of ``chunk_size`` rows, each chunk under activation checkpointing when grads are on, so at
+most one (chunk_size, V) float32 block is alive at a time (forward and backward).
+Positions outside the response mask (and t = 0) hold 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
+                        target_N: torch.Tensor, inv_temperature: float, with_entropy: bool):
+    z_NV = F.linear(h_NH, weight_VH, bias_V).float() * inv_temperature
+    logp_NV = torch.log_softmax(z_NV, dim=-1)
+    logp_N = logp_NV.gather(-1, target_N.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp_N, None
+    entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
+    return logp_N, entropy_N
+
+
+def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_ids_BL: torch.Tensor,
+                         response_mask_BL: torch.Tensor, temperature: float, with_entropy: bool,
+                         chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The formula above, given the final hidden states (after the last norm) and the LM head."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0; set rollout.temperature > 0")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be > 0")
+    B, L = input_ids_BL.shape
+    mask_BL = response_mask_BL.bool().clone()
+    mask_BL[:, 0] = False  # no prediction for the first token
+    b_N, t_N = mask_BL.nonzero(as_tuple=True)
+    h_NH = hidden_BLH[b_N, t_N - 1]
+    target_N = input_ids_BL[b_N, t_N]
+    weight, bias = head.weight, getattr(head, "bias", None)
+    use_ckpt = torch.is_grad_enabled() and (h_NH.requires_grad or weight.requires_grad)
+    logps, ents = [], []
+    for start in range(0, h_NH.shape[0], chunk_size):
+        args = (h_NH[start:start + chunk_size], weight, bias, target_N[start:start + chunk_size],
+                1.0 / temperature, with_entropy)
+        if use_ckpt:
+            logp_n, ent_n = checkpoint(_chunk_logp_entropy, *args, use_reentrant=False)
+        else:
+            logp_n, ent_n = _chunk_logp_entropy(*args)
+        logps.append(logp_n)
+        ents.append(ent_n)
+    zeros_BL = hidden_BLH.new_zeros(B, L, dtype=torch.float32)
+    logp_N = torch.cat(logps) if logps else zeros_BL.new_zeros(0)
+    logp_BL = zeros_BL.index_put((b_N, t_N), logp_N)
+    entropy_BL = None
+    if with_entropy:
+        ent_N = torch.cat(ents) if ents else zeros_BL.new_zeros(0)
+        entropy_BL = zeros_BL.index_put((b_N, t_N), ent_N)
+    return logp_BL, entropy_BL
+
+
+def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperature: float,
+                   with_entropy: bool, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp_BL, entropy_BL | None) for a Hugging Face causal LM on microbatch ``mb``.
+
+    Runs the decoder (``model.get_decoder()``) for hidden states, then the LM head in chunks of response
+    positions. Needs mb["input_ids"], ["attention_mask"], ["position_ids"], ["response_mask"], all (B, L).
+    """
+    hidden_BLH = model.get_decoder()(
+        input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"],
+        use_cache=False,
+    ).last_hidden_state
+    return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
+                                mb["response_mask"], temperature, with_entropy, chunk_size)

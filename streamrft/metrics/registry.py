@@ -1,0 +1,249 @@
+"""The Prometheus metrics of one rank's streaming pipeline, as explicit attributes.
+
+Every metric lives in a private ``CollectorRegistry`` owned by :class:`PipelineMetrics` (never the
+process-global default registry, so two instances in one process, as in tests, do not collide).
+The constant label ``rank`` is added to every sample at exposition time by a wrapping collector,
+so the runtime writes ``metrics.queue_depth.labels(stage="reward").set(3)`` without repeating it.
+
+Counters are the source of truth for rates: tokens/s in Grafana is
+``rate(streamrft_generated_tokens_total[1m])``; the ``*_tokens_per_second`` gauges only mirror
+the last step's value as the trainer measured it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PHASE_VALUES = {"rollout": 0, "train": 1}  # the value of streamrft_phase for each phase name
+
+# Transitions observed on streamrft_phase_switch_seconds: whole switches and their parts.
+PHASE_TRANSITIONS = ("rollout_to_train", "train_to_rollout", "sleep", "wake", "weight_push")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_SWITCH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+_STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+# observe_step's scalar names -> (attribute of PipelineMetrics, fixed labels). One name for one
+# thing: these keys are also the TensorBoard / W&B tags. "reward/<component>" and
+# "reward_std/<component>" are handled by prefix below; anything else goes to streamrft_train_scalar.
+SCALAR_GAUGES: dict[str, tuple[str, dict[str, str]]] = {
+    "loss": ("loss", {}),
+    "kl": ("kl", {}),
+    "entropy": ("entropy", {}),
+    "clip_fraction": ("clip_fraction", {"side": "all"}),
+    "clip_fraction_low": ("clip_fraction", {"side": "low"}),
+    "clip_fraction_high": ("clip_fraction", {"side": "high"}),
+    "grad_norm": ("grad_norm", {}),
+    "lr": ("learning_rate", {}),
+    "reward_mean": ("reward_mean", {"component": "total"}),
+    "reward_std": ("reward_std", {"component": "total"}),
+    "ratio_mean": ("importance_ratio_mean", {}),
+    "ratio_max": ("importance_ratio_max", {}),
+    "tis_clipped_fraction": ("tis_clipped_fraction", {}),
+    "trained_tokens_per_s": ("trained_tokens_per_second", {}),
+    "generated_tokens_per_s": ("generated_tokens_per_second", {}),
+    "mfu": ("mfu", {}),
+}
+_REWARD_PREFIXES = {"reward/": "reward_mean", "reward_mean/": "reward_mean", "reward_std/": "reward_std"}
+_UNSAFE_LABEL_CHARS = re.compile(r"[^A-Za-z0-9_:./-]")
+
+
+def sanitise_scalar_name(name: str) -> str:
+    """A label value safe for dashboards: odd characters become ``_``, at most 100 characters."""
+    return _UNSAFE_LABEL_CHARS.sub("_", name)[:100] or "_"
+
+
+class _ConstLabels(Collector):
+    """Wraps a registry and adds fixed labels (``rank``) to every sample it exposes."""
+
+    def __init__(self, inner: CollectorRegistry, labels: Mapping[str, str]):
+        self._inner = inner
+        self._labels = dict(labels)
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, **self._labels}) for s in family.samples]
+            yield out
+
+
+class _ResourceCollector(Collector):
+    """Process RSS and CUDA memory, read at scrape time (so they are current, not per step)."""
+
+    def collect(self) -> Iterable[Metric]:
+        rss = GaugeMetricFamily(
+            "streamrft_process_resident_memory_bytes", "Resident set size of this rank's process."
+        )
+        rss.add_metric([], float(_resident_bytes()))
+        yield rss
+        try:  # torch is optional for a metrics-only process (e.g. the simulator)
+            import torch
+        except ImportError:
+            return
+        if not torch.cuda.is_available():
+            return
+        allocated = GaugeMetricFamily(
+            "streamrft_gpu_memory_allocated_bytes", "CUDA memory held by tensors.", labels=["device"]
+        )
+        reserved = GaugeMetricFamily(
+            "streamrft_gpu_memory_reserved_bytes", "CUDA memory reserved by the caching allocator.",
+            labels=["device"],
+        )
+        for index in range(torch.cuda.device_count()):
+            allocated.add_metric([str(index)], float(torch.cuda.memory_allocated(index)))
+            reserved.add_metric([str(index)], float(torch.cuda.memory_reserved(index)))
+        yield allocated
+        yield reserved
+
+
+def _resident_bytes() -> int:
+    """RSS from /proc (Linux); falls back to the peak RSS from getrusage elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        import os
+
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PipelineMetrics:
+    """All pipeline metrics of one rank. The runtime uses the attributes directly; the trainer
+    reports its per-step scalars through :meth:`observe_step`.
+
+    ``registry`` is what an exporter serves: it yields every metric with ``rank="<rank>"`` added.
+    """
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self._metrics = CollectorRegistry(auto_describe=True)
+        self._metrics.register(_ResourceCollector())
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_ConstLabels(self._metrics, {"rank": str(rank)}))
+        r = self._metrics
+
+        # Queue pressure, per stage (generator, reward, teacher, advantage, learner, ...).
+        self.queue_depth = Gauge(
+            "streamrft_stage_queue_depth", "Items waiting in a stage's inbox.", ["stage"], registry=r
+        )
+        self.credits = Gauge(
+            "streamrft_stage_credits", "Credits a stage's sender may still spend.", ["stage"], registry=r
+        )
+        self.in_flight = Gauge("streamrft_stage_in_flight", "Items a stage is working on now.", ["stage"], registry=r)
+        self.stage_latency = Histogram(
+            "streamrft_stage_latency_seconds", "Time one item spends in a stage.", ["stage"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+
+        # Throughput: counters for rate(), gauges for the trainer's own last-step measurement.
+        self.generated_tokens = Counter("streamrft_generated_tokens", "Response tokens generated.", registry=r)
+        self.trained_tokens = Counter("streamrft_trained_tokens", "Response (loss) tokens trained on.", registry=r)
+        self.generated_tokens_per_second = Gauge(
+            "streamrft_generated_tokens_per_second", "Generated tokens/s over the last step.", registry=r
+        )
+        self.trained_tokens_per_second = Gauge(
+            "streamrft_trained_tokens_per_second", "Trained tokens/s over the last step.", registry=r
+        )
+        self.step = Gauge("streamrft_step", "Last completed train step.", registry=r)
+        self.policy_version = Gauge(
+            "streamrft_policy_version", "Policy version the engine generates with.", registry=r
+        )
+
+        # Phases (colocated mode) and weight sync.
+        self.phase = Gauge("streamrft_phase", "Current phase: 0 rollout, 1 train.", registry=r)
+        self.phase_switch_seconds = Histogram(
+            "streamrft_phase_switch_seconds",
+            "Duration of a phase switch (rollout_to_train, train_to_rollout) or of one of its parts "
+            "(sleep, wake, weight_push).", ["transition"], buckets=_SWITCH_BUCKETS, registry=r,
+        )
+        self.weight_sync_seconds = Histogram(
+            "streamrft_weight_sync_seconds", "Duration of one learner-to-engine weight sync.",
+            buckets=_SWITCH_BUCKETS, registry=r,
+        )
+        self.weight_sync_bytes = Counter("streamrft_weight_sync_bytes", "Bytes pushed to the engine.", registry=r)
+
+        # Staleness and sample accounting: admitted = trained + filtered + failed (+ in flight).
+        self.staleness = Histogram(
+            "streamrft_sample_staleness_versions",
+            "Policy versions between a sample's generation and the learner that trains on it.",
+            buckets=_STALENESS_BUCKETS, registry=r,
+        )
+        self.samples_admitted = Counter(
+            "streamrft_samples_admitted", "Samples admitted by the Generator.", registry=r
+        )
+        self.samples_trained = Counter("streamrft_samples_trained", "Samples the learner trained on.", registry=r)
+        self.samples_filtered = Counter(
+            "streamrft_samples_filtered", "Samples dropped by a filter, by reason.", ["reason"], registry=r
+        )
+        self.samples_failed = Counter(
+            "streamrft_samples_failed", "Samples that failed, by reason.", ["reason"], registry=r
+        )
+
+        # Per-step training scalars (set through observe_step).
+        self.reward_mean = Gauge("streamrft_reward_mean", "Mean reward of the last step.", ["component"], registry=r)
+        self.reward_std = Gauge("streamrft_reward_std", "Reward std of the last step.", ["component"], registry=r)
+        self.loss = Gauge("streamrft_loss", "Policy loss of the last step.", registry=r)
+        self.kl = Gauge("streamrft_kl", "KL to the reference policy, last step.", registry=r)
+        self.entropy = Gauge("streamrft_entropy", "Mean per-token entropy (nats), last step.", registry=r)
+        self.clip_fraction = Gauge(
+            "streamrft_clip_fraction", "Fraction of tokens clipped by the surrogate (side: all, low, high).",
+            ["side"], registry=r,
+        )
+        self.importance_ratio_mean = Gauge(
+            "streamrft_importance_ratio_mean", "Mean policy/behaviour ratio.", registry=r
+        )
+        self.importance_ratio_max = Gauge("streamrft_importance_ratio_max", "Max policy/behaviour ratio.", registry=r)
+        self.tis_clipped_fraction = Gauge(
+            "streamrft_tis_clipped_fraction", "Fraction of tokens whose truncated-IS weight was clipped.", registry=r
+        )
+        self.grad_norm = Gauge("streamrft_grad_norm", "Gradient norm before clipping, last step.", registry=r)
+        self.learning_rate = Gauge("streamrft_learning_rate", "Learning rate of the last step.", registry=r)
+        self.mfu = Gauge("streamrft_mfu", "Model FLOPs utilisation (0..1); NaN until FLOPs are known.", registry=r)
+        self.mfu.set(float("nan"))  # an unset MFU must not read as 0 % utilisation
+        self.train_scalar = Gauge(
+            "streamrft_train_scalar", "Any other per-step scalar, by its observe_step name.", ["name"], registry=r
+        )
+
+    def set_phase(self, phase: str) -> None:
+        """Set streamrft_phase from a phase name ("rollout" | "train")."""
+        if phase not in PHASE_VALUES:
+            raise ValueError(f"unknown phase {phase!r}; expected one of {sorted(PHASE_VALUES)}")
+        self.phase.set(PHASE_VALUES[phase])
+
+    def observe_step(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Export one train step's scalars.
+
+        Known names map through :data:`SCALAR_GAUGES` (e.g. ``"lr"`` -> ``streamrft_learning_rate``);
+        ``"reward/<c>"`` (or ``"reward_mean/<c>"``) and ``"reward_std/<c>"`` set the reward gauges
+        with ``component="<c>"``; any other name is exported as
+        ``streamrft_train_scalar{name="<sanitised name>"}`` rather than dropped.
+        """
+        self.step.set(step)
+        for name, value in scalars.items():
+            value = float(value)
+            known = SCALAR_GAUGES.get(name)
+            if known is not None:
+                attr, labels = known
+                gauge = getattr(self, attr)
+                (gauge.labels(**labels) if labels else gauge).set(value)
+                continue
+            for prefix, attr in _REWARD_PREFIXES.items():
+                if name.startswith(prefix) and len(name) > len(prefix):
+                    getattr(self, attr).labels(component=sanitise_scalar_name(name[len(prefix):])).set(value)
+                    break
+            else:
+                self.train_scalar.labels(name=sanitise_scalar_name(name)).set(value)
+
+    def exposition(self) -> str:
+        """The text a scrape of this rank's exporter returns (handy for tests and debugging)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()

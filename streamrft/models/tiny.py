@@ -1,0 +1,112 @@
+"""Tiny local models for CPU demos and tests: a character tokenizer and a small Qwen2, built from a config.
+
+Nothing is downloaded: the tokenizer is built with the ``tokenizers`` library over a given alphabet and
+the model is randomly initialised from a ``Qwen2Config``; both are saved in Hugging Face format so the
+rest of the framework loads them exactly like a hub checkpoint (``AutoTokenizer`` /
+``AutoModelForCausalLM.from_pretrained``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def _byte_level_char(ch: str) -> str:
+    """The byte-level (GPT-2 style) spelling of one ASCII character, e.g. ' ' -> 'Ġ'."""
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(ch)[0][0]
+
+
+def build_char_tokenizer(out_dir: str, alphabet: str) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: ids 0, 1, 2 are ``<pad>``, ``<eos>``, ``<unk>``; then one id per
+    character of ``alphabet`` in order. Saved to ``out_dir`` with ``save_pretrained``.
+
+    It is a byte-level BPE with no merges, i.e. exactly one token per ASCII character, spelled the way
+    GPT-2/Qwen2 tokenizers spell bytes (space is ``Ġ``). This matters: ``AutoTokenizer`` rebuilds the
+    tokenizer of a directory that holds a Qwen2 ``config.json`` as a ``Qwen2Tokenizer`` (byte-level BPE
+    from the saved vocab and merges), and with this layout both loaders tokenize identically and text,
+    spaces included, round-trips exactly. Characters outside the alphabet are dropped when encoding.
+    """
+    chars = list(dict.fromkeys(alphabet))
+    if not chars:
+        raise ValueError("alphabet is empty; pass the characters the task uses (e.g. ARITH_ALPHABET)")
+    bad = [ch for ch in chars if not (32 <= ord(ch) < 127)]
+    if bad:
+        raise ValueError(f"alphabet has non-printable or non-ASCII characters {bad!r}; the character "
+                         "tokenizer supports printable ASCII only, remove them from the alphabet")
+    vocab = {PAD: 0, EOS: 1, UNK: 2}
+    for ch in chars:
+        vocab[_byte_level_char(ch)] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix=""))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left",
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def build_tiny_qwen2(
+    out_dir: str,
+    tokenizer: PreTrainedTokenizerFast,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 128,
+    seed: int = 0,
+    tie_word_embeddings: bool = True,
+) -> str:
+    """Build a randomly initialised ``Qwen2ForCausalLM`` sized for ``tokenizer`` and save config,
+    safetensors weights and the tokenizer to ``out_dir``. Returns ``out_dir``."""
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_policy(
+    path: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """Load a Hugging Face causal LM and its tokenizer from a local directory."""
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise ValueError(f"model path {path!r} has no config.json; set model.path to a Hugging Face model "
+                         "directory (e.g. one written by pipelines/arith/prepare.py)")
+    if not any((root / name).is_file() for name in _WEIGHT_FILES):
+        raise ValueError(f"model path {path!r} has no weights ({' or '.join(_WEIGHT_FILES)}); set model.path "
+                         "to a directory saved with save_pretrained")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device), tokenizer

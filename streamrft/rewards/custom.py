@@ -1,0 +1,166 @@
+"""Custom reward functions named by a spec string, and the one async calling convention for all of them.
+
+A spec is ``package.module:function`` (imported) or ``path/to/file.py:function`` (loaded from the
+file; relative paths are relative to the working directory).
+
+Two shapes of function are accepted, sync or ``async def``:
+
+* per sample: ``fn(response, reference, prompt=..., label=...) -> float``; ``prompt`` and ``label``
+  are passed only when the signature accepts them (by name or through ``**kwargs``);
+* batched: ``fn(responses, references, prompts=..., labels=...) -> list[float]`` (one float per
+  sample, same order), declared with the :func:`batched` decorator or by setting the attribute
+  ``fn.batched = True``. Batch it when the function has a per-call cost worth sharing (a model, a
+  sandbox, an HTTP call).
+
+:class:`RewardFunction` wraps either shape behind ``async score(items) -> list[float | Exception]``:
+a per-sample function that raises fails that sample only; a batched one that raises, or returns the
+wrong number of values, fails the whole batch. Sync functions run in a worker thread so the event
+loop and the other reward sources keep going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from protocols import RewardItem
+
+
+def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as batched: called once with lists (responses, references, prompts=, labels=)."""
+    fn.batched = True  # type: ignore[attr-defined]
+    return fn
+
+
+def _load_module_from_file(path: Path, spec: str):
+    if not path.is_file():
+        raise ValueError(f"reward function spec {spec!r}: file {path} does not exist (relative to {Path.cwd()})")
+    # A unique module name per resolved path so two files both called reward.py do not collide.
+    module_name = f"_streamrft_reward_{abs(hash(str(path.resolve())))}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"reward function spec {spec!r}: cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+def load_reward_function(spec: str) -> Callable[..., Any]:
+    """Import the function named by ``module:function`` or ``path/to/file.py:function``.
+
+    Raises ValueError naming the spec when it is malformed, the module or file is missing, or the
+    module has no such callable.
+    """
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name or not name.isidentifier():
+        raise ValueError(
+            f"reward function spec {spec!r} is not 'module:function' or 'path/to/file.py:function'"
+        )
+    if target.endswith(".py"):
+        module = _load_module_from_file(Path(target), spec)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as exc:
+            raise ValueError(
+                f"reward function spec {spec!r}: module {target!r} not found ({exc}); check the name "
+                "and that it is importable (on PYTHONPATH), or give a path/to/file.py instead"
+            ) from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"reward function spec {spec!r}: {target} has no attribute {name!r}")
+    if not callable(fn):
+        raise ValueError(f"reward function spec {spec!r}: {target}.{name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _accepted_keywords(fn: Callable[..., Any], names: Sequence[str]) -> set[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature: pass positional arguments only
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return set(names)
+    return {p.name for p in params if p.name in names}
+
+
+class RewardFunction:
+    """One reward function (rule or custom) behind ``async score(items) -> list[float | Exception]``."""
+
+    def __init__(self, fn: Callable[..., Any], name: str) -> None:
+        self.fn = fn
+        self.name = name
+        self.is_batched = bool(getattr(fn, "batched", False))
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        kw_names = ("prompts", "labels") if self.is_batched else ("prompt", "label")
+        self._keywords = _accepted_keywords(fn, kw_names)
+
+    async def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if self.is_async:
+            return await self.fn(*args, **kwargs)
+        return await asyncio.to_thread(self.fn, *args, **kwargs)
+
+    async def score(self, items: Sequence[RewardItem]) -> list[float | Exception]:
+        if self.is_batched:
+            return await self._score_batched(items)
+        return list(await asyncio.gather(*(self._score_one(item) for item in items)))
+
+    def score_sync(self, items: Sequence[RewardItem]) -> list[float | Exception]:
+        """Blocking form for callers without an event loop (the HTTP handler threads)."""
+        return asyncio.run(self.score(items))
+
+    async def _score_one(self, item: RewardItem) -> float | Exception:
+        kwargs: dict[str, Any] = {}
+        if "prompt" in self._keywords:
+            kwargs["prompt"] = item.prompt
+        if "label" in self._keywords:
+            kwargs["label"] = item.label
+        try:
+            return _as_float(await self._call(item.response, item.reference, **kwargs))
+        except Exception as exc:  # reported per sample by the caller, never dropped
+            return exc
+
+    async def _score_batched(self, items: Sequence[RewardItem]) -> list[float | Exception]:
+        kwargs: dict[str, Any] = {}
+        if "prompts" in self._keywords:
+            kwargs["prompts"] = [it.prompt for it in items]
+        if "labels" in self._keywords:
+            kwargs["labels"] = [it.label for it in items]
+        responses = [it.response for it in items]
+        references = [it.reference for it in items]
+        try:
+            values = await self._call(responses, references, **kwargs)
+            values = list(values)
+        except Exception as exc:
+            return [exc] * len(items)
+        if len(values) != len(items):
+            err = ValueError(
+                f"batched reward function {self.name!r} returned {len(values)} values for {len(items)} samples"
+            )
+            return [err] * len(items)
+        out: list[float | Exception] = []
+        for value in values:
+            try:
+                out.append(_as_float(value))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+
+def _as_float(value: Any) -> float:
+    # bool counts as a number (True = 1.0): a pass/fail check is a common reward function.
+    if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise TypeError(f"reward must be a number, got {type(value).__name__} {value!r}")
+    return float(value)

@@ -1,0 +1,115 @@
+"""The reward aggregator: every configured source scores the items it applies to; one outcome per item.
+
+For an item with label L, the sources that apply are those whose ``labels`` include L (or are empty).
+Each gives a component under its own name; the aggregate is
+
+    reward = sum over applying sources s of weight_s(L) * component_s
+
+where ``weight_s(L)`` is ``label_weights[L]`` when set, else ``weight``. Sources run concurrently.
+An item fails (reward NaN, ``error`` naming the source and the cause) when any applying source raises,
+times out or gives NaN/inf for it, or when no source applies to its label. ``score()`` never raises
+for a source's failure and never waits longer than the slowest source's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from protocols import RewardItem
+from streamrft.config.base import ConfigError
+from streamrft.config.reward import RewardConfig
+from streamrft.rewards.sources import RewardSource, build_source
+
+
+@dataclass
+class RewardOutcome:
+    reward: float  # the weighted aggregate; NaN when error is set
+    components: dict[str, float]  # source name -> its value for this item (the sources that succeeded)
+    error: str = ""  # "" = scored; otherwise which source failed and why
+
+
+@dataclass
+class RewardScorer:
+    """Scores microbatches of RewardItems with every configured source. Counters are cumulative."""
+
+    sources: list[RewardSource]
+    n_scored: int = 0  # items with a finite reward
+    n_failed: int = 0  # items with an error outcome
+    failures_by_source: dict[str, int] = field(default_factory=dict)  # items each source failed
+
+    async def score(self, items: Sequence[RewardItem]) -> list[RewardOutcome]:
+        items = list(items)
+        picks = [[i for i, it in enumerate(items) if src.applies_to(it.label)] for src in self.sources]
+        results = await asyncio.gather(
+            *(self._run_source(src, [items[i] for i in idx]) for src, idx in zip(self.sources, picks))
+        )
+        components: list[dict[str, float]] = [{} for _ in items]
+        totals = [0.0] * len(items)
+        errors: list[list[str]] = [[] for _ in items]
+        applied = [False] * len(items)
+        for src, idx, values in zip(self.sources, picks, results):
+            for i, value in zip(idx, values):
+                applied[i] = True
+                problem = _problem(value)
+                if problem:
+                    errors[i].append(f"source {src.name!r}: {problem}")
+                    self.failures_by_source[src.name] = self.failures_by_source.get(src.name, 0) + 1
+                    continue
+                components[i][src.name] = float(value)
+                totals[i] += src.weight_for(items[i].label) * float(value)
+        outcomes = []
+        for i, item in enumerate(items):
+            if not applied[i]:
+                errors[i].append(
+                    f"no reward source scores label {item.label!r}; add it to a source's reward.sources[*].labels "
+                    "or leave that source's labels empty"
+                )
+            if errors[i]:
+                self.n_failed += 1
+                outcomes.append(RewardOutcome(math.nan, components[i], "; ".join(errors[i])))
+            else:
+                self.n_scored += 1
+                outcomes.append(RewardOutcome(totals[i], components[i]))
+        return outcomes
+
+    async def _run_source(self, src: RewardSource, items: list[RewardItem]) -> list[float | Exception]:
+        if not items:
+            return []
+        try:
+            values = await asyncio.wait_for(src.backend.score(items), src.deadline_s)
+        except asyncio.TimeoutError:
+            # A sync function keeps running in its worker thread (threads cannot be killed); its
+            # result is dropped. The items fail now instead of stalling the pipeline.
+            return [TimeoutError(f"no result within {src.deadline_s:g}s (reward.timeout_s)")] * len(items)
+        except Exception as exc:  # a backend bug: fail these items with the cause, keep the run going
+            return [exc] * len(items)
+        if len(values) != len(items):
+            err = ValueError(f"returned {len(values)} values for {len(items)} items")
+            return [err] * len(items)
+        return values
+
+    async def close(self) -> None:
+        for src in self.sources:
+            await src.backend.close()
+
+
+def _problem(value: float | Exception) -> str:
+    """Why a source's value for one item is unusable ("" when it is fine)."""
+    if isinstance(value, Exception):
+        return f"{type(value).__name__}: {value}"
+    if not math.isfinite(value):
+        return f"returned {value} (rewards must be finite)"
+    return ""
+
+
+def build_reward_scorer(cfg: RewardConfig) -> RewardScorer:
+    """Build every source of ``reward.sources``. An empty list is a ConfigError: there is no implicit
+    default reward (a run that trains on a reward nobody chose would learn nothing meaningful)."""
+    if not cfg.sources:
+        raise ConfigError(
+            "reward.sources is empty; add a source, e.g. reward.sources: [{name: correct, type: rule, fn: gsm8k}]"
+        )
+    return RewardScorer([build_source(src, cfg) for src in cfg.sources])

@@ -1,0 +1,110 @@
+"""Reward sources: one configured scorer (rule, custom function, remote service) plus where it applies.
+
+Every backend has the same small shape, ``async score(items) -> list[float | Exception]`` (one entry
+per item, an exception where that item could not be scored) and ``async close()``. The backend type
+is picked by ``reward.sources[*].type`` through the explicit :data:`SOURCE_BUILDERS` dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from protocols import RewardItem
+from streamrft.config.base import ConfigError
+from streamrft.config.reward import RewardConfig, RewardSourceConfig
+from streamrft.rewards.custom import RewardFunction, load_reward_function
+from streamrft.rewards.rules import RULES
+
+
+class RewardBackend(Protocol):
+    async def score(self, items: Sequence[RewardItem]) -> list[float | Exception]: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalFunctionBackend:
+    """A rule or custom function run in this process (sync functions in worker threads)."""
+
+    def __init__(self, fn: RewardFunction) -> None:
+        self.fn = fn
+
+    async def score(self, items: Sequence[RewardItem]) -> list[float | Exception]:
+        return await self.fn.score(items)
+
+    async def close(self) -> None:
+        return None
+
+
+def resolve_reward_function(spec: str) -> RewardFunction:
+    """A built-in rule name (see RULES) or a custom ``module:function`` / ``file.py:function`` spec."""
+    if spec in RULES:
+        return RewardFunction(RULES[spec], name=spec)
+    if ":" not in spec:
+        raise ValueError(f"reward function {spec!r} is neither a rule ({', '.join(sorted(RULES))}) nor module:function")
+    return RewardFunction(load_reward_function(spec), name=spec)
+
+
+def _build_rule(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBackend, float]:
+    if src.fn not in RULES:
+        raise ConfigError(f"reward source {src.name!r}: fn={src.fn!r} is not a rule; choose one of {sorted(RULES)}")
+    return LocalFunctionBackend(RewardFunction(RULES[src.fn], name=src.fn)), cfg.timeout_s
+
+
+def _build_custom(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBackend, float]:
+    try:
+        fn = load_reward_function(src.fn)
+    except ValueError as exc:
+        raise ConfigError(f"reward source {src.name!r} (reward.sources[*].fn): {exc}") from None
+    return LocalFunctionBackend(RewardFunction(fn, name=src.fn)), cfg.timeout_s
+
+
+def _build_remote(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBackend, float]:
+    from streamrft.rewards.remote import RemoteRewardClient
+
+    client = RemoteRewardClient(src.address, cfg.timeout_s, cfg.max_concurrency, cfg.retries)
+    return client, client.deadline_s
+
+
+# type -> builder returning (backend, the longest one score() call may take before it is abandoned).
+# "model" (a local reward model) is not built here yet; validate_reward rejects it with that reason.
+SOURCE_BUILDERS: dict[str, Callable[[RewardSourceConfig, RewardConfig], tuple[RewardBackend, float]]] = {
+    "rule": _build_rule,
+    "custom": _build_custom,
+    "remote": _build_remote,
+}
+
+
+@dataclass
+class RewardSource:
+    """A backend plus its name (the component name), labels and weights."""
+
+    name: str
+    backend: RewardBackend
+    deadline_s: float  # a score() call longer than this is abandoned and fails its items
+    weight: float = 1.0
+    label_weights: dict[str, float] = field(default_factory=dict)
+    labels: list[str] = field(default_factory=list)  # [] = every label
+
+    def applies_to(self, label: str) -> bool:
+        return not self.labels or label in self.labels
+
+    def weight_for(self, label: str) -> float:
+        return self.label_weights.get(label, self.weight)
+
+
+def build_source(src: RewardSourceConfig, cfg: RewardConfig) -> RewardSource:
+    builder = SOURCE_BUILDERS.get(src.type)
+    if builder is None:
+        raise ConfigError(
+            f"reward source {src.name!r}: type={src.type!r} is not available; choose one of {sorted(SOURCE_BUILDERS)}"
+        )
+    backend, deadline_s = builder(src, cfg)
+    return RewardSource(
+        name=src.name,
+        backend=backend,
+        deadline_s=deadline_s,
+        weight=src.weight,
+        label_weights=dict(src.label_weights),
+        labels=list(src.labels),
+    )

@@ -1,0 +1,83 @@
+"""validate_reward: raise ConfigError for a reward section that cannot run. Only raises; imports nothing heavy
+and opens nothing (custom modules are imported when the scorer is built, not here)."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from streamrft.config.base import ConfigError
+from streamrft.rewards.rules import RULES
+from streamrft.rewards.sources import SOURCE_BUILDERS
+
+_SPEC_RE = re.compile(r"^(?P<target>[^:]+\.py|[A-Za-z_][\w.]*):(?P<fn>[A-Za-z_]\w*)$")
+_ADDRESS_RE = re.compile(r"^(tcp://[^:/]+:\d+|https?://[^/:]+(:\d+)?(/.*)?)$")
+
+
+def validate_reward(cfg) -> None:
+    """``cfg`` is the root Config. Empty ``reward.sources`` is allowed only for pure on-policy
+    distillation (teacher.type set and teacher.mode=pure), where no task reward is used."""
+    r = cfg.reward
+    if r.timeout_s <= 0:
+        raise ConfigError(f"reward.timeout_s={r.timeout_s} must be > 0")
+    if r.max_concurrency < 1:
+        raise ConfigError(f"reward.max_concurrency={r.max_concurrency} must be >= 1")
+    if r.retries < 0:
+        raise ConfigError(f"reward.retries={r.retries} must be >= 0 (0 = no retry)")
+    if not r.sources:
+        if cfg.teacher.type != "none" and cfg.teacher.mode == "pure":
+            return
+        raise ConfigError(
+            "reward.sources is empty; add at least one source, e.g. "
+            "reward.sources: [{name: correct, type: rule, fn: gsm8k}] (only pure distillation, "
+            "teacher.mode=pure, runs without one)"
+        )
+    seen: set[str] = set()
+    for i, src in enumerate(r.sources):
+        where = f"reward.sources[{i}] ({src.name!r})"
+        if not src.name or not src.name.replace("_", "").replace("-", "").replace(".", "").isalnum():
+            raise ConfigError(f"reward.sources[{i}].name={src.name!r} must be a non-empty name of letters, digits, _ - .")
+        if src.name in seen:
+            raise ConfigError(f"{where}: name is used twice; component names must be unique (rename one)")
+        seen.add(src.name)
+        _validate_weights(src, where)
+        _validate_by_type(src, where)
+
+
+def _validate_weights(src, where: str) -> None:
+    if not math.isfinite(src.weight):
+        raise ConfigError(f"{where}.weight={src.weight} must be a finite number")
+    for label, w in src.label_weights.items():
+        if not math.isfinite(w):
+            raise ConfigError(f"{where}.label_weights[{label!r}]={w} must be a finite number")
+        if src.labels and label not in src.labels:
+            raise ConfigError(
+                f"{where}.label_weights names label {label!r}, which is not in its labels {src.labels}; "
+                "add it to labels or remove the weight"
+            )
+
+
+def _validate_by_type(src, where: str) -> None:
+    if src.type not in SOURCE_BUILDERS:
+        raise ConfigError(
+            f"{where}.type={src.type!r} is not available yet; choose one of {sorted(SOURCE_BUILDERS)}"
+        )
+    if src.type == "rule" and src.fn not in RULES:
+        raise ConfigError(f"{where}.fn={src.fn!r} is not a rule; valid rules: {', '.join(sorted(RULES))}")
+    if src.type == "custom":
+        match = _SPEC_RE.match(src.fn)
+        if not match:
+            raise ConfigError(
+                f"{where}.fn={src.fn!r} is not 'module:function' or 'path/to/file.py:function'"
+            )
+        target = match.group("target")
+        if target.endswith(".py") and not Path(target).is_file():
+            raise ConfigError(f"{where}.fn={src.fn!r}: file {target} does not exist (relative to {Path.cwd()})")
+    if src.type == "remote":
+        if not src.address:
+            raise ConfigError(f"{where}.address is empty; a remote source needs tcp://host:port or http://host:port")
+        if not _ADDRESS_RE.match(src.address):
+            raise ConfigError(
+                f"{where}.address={src.address!r} must be tcp://host:port (ZeroMQ) or http://host[:port][/path]"
+            )

@@ -1,0 +1,232 @@
+"""The per-rank driver: build the components, then run the train loop (one screen, phases named)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from streamrft.config import Config, validate_config
+from streamrft.runtime.accounting import Accounting
+from streamrft.runtime.stage import StageContext
+
+log = logging.getLogger("streamrft")
+
+
+@dataclass
+class Run:
+    """Everything one rank needs for a training run."""
+
+    cfg: Config
+    dist: object
+    strategy: object
+    reference: object
+    engine: object
+    eval_engine: object
+    scorer: object
+    dataset: object
+    eval_dataset: object
+    pipeline: object
+    phase: object
+    actor: object
+    accounting: Accounting
+    metrics: object = None
+    loggers: list = field(default_factory=list)
+    sinks: list = field(default_factory=list)
+    exporter: object = None
+    run_id: str = ""
+
+
+def build_run(cfg: Config, dist) -> Run:
+    """Create model, engine, stages and channels for this rank (config already validated)."""
+    from streamrft.data import PromptDataset
+    from streamrft.engines import build_engine
+    from streamrft.learner import build_strategy
+    from streamrft.learner.actor import ActorUpdate
+    from streamrft.learner.reference import FrozenReference
+    from streamrft.rewards.scorer import build_reward_scorer
+    from streamrft.runtime.distributed import all_reduce_sum
+    from streamrft.runtime.evaluation import greedy_engine_config
+    from streamrft.runtime.phase import PhaseController
+    from streamrft.runtime.pipeline import Pipeline
+
+    torch.manual_seed(cfg.seed)
+    d = cfg.data
+    dataset = PromptDataset(d.train_path, d.prompt_field, d.reference_field, d.label_field)
+    eval_dataset = PromptDataset(d.eval_path, d.prompt_field, d.reference_field, d.label_field) if d.eval_path else None
+    strategy = build_strategy(cfg, dist, total_steps=cfg.train.max_steps)
+    reference = None
+    if cfg.algorithm.kl_coef > 0:
+        reference = FrozenReference(cfg.model.reference_path or cfg.model.path, cfg.model, dist)
+    tokenizer = strategy.tokenizer
+    engine = build_engine(cfg.engine, strategy.module, tokenizer, dist.device)
+    eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)
+    scorer = build_reward_scorer(cfg.reward)
+    accounting = Accounting(rank=dist.rank)
+    metrics, exporter = _build_metrics(cfg, dist, accounting)
+    ctx = StageContext(rank=dist.rank, stage_timeout_s=cfg.rollout.stage_timeout_s, accounting=accounting, fail_fast=cfg.fail_fast, metrics=metrics)
+    run_id = uuid.uuid4().hex[:8]
+    pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, run_id=run_id, policy_version_fn=lambda: engine.policy_version)
+    phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level)
+    actor = ActorUpdate(strategy, reference, cfg, all_reduce_sum)
+    return Run(cfg, dist, strategy, reference, engine, eval_engine, scorer, dataset, eval_dataset, pipeline, phase, actor, accounting, metrics, _build_loggers(cfg, dist), _build_sinks(cfg, dist, run_id), exporter, run_id)
+
+
+def _build_metrics(cfg, dist, accounting):
+    if not cfg.metrics.port:
+        return None, None
+    from streamrft.metrics.exporter import start_exporter
+    from streamrft.metrics.registry import PipelineMetrics
+
+    metrics = PipelineMetrics(rank=dist.rank)
+    accounting.metrics = metrics
+    exporter = start_exporter(metrics, cfg.metrics.host, cfg.metrics.port + dist.local_rank)
+    return metrics, exporter
+
+
+def _build_loggers(cfg, dist):
+    if not (cfg.metrics.tensorboard or cfg.metrics.wandb):
+        return []
+    import msgspec
+
+    from streamrft.metrics.loggers import build_loggers
+
+    return build_loggers(cfg.metrics, cfg.output_dir, dist.rank, msgspec.to_builtins(cfg))
+
+
+def _build_sinks(cfg, dist, run_id):
+    if not (cfg.sinks.jsonl or cfg.sinks.parquet or cfg.sinks.zmq_pub):
+        return []
+    from streamrft.sinks import build_sinks
+
+    return build_sinks(cfg.sinks, run_id, dist.rank)
+
+
+async def train_loop(run: Run) -> dict[str, float]:
+    """Evaluate, then for each step: rollout → decide → train → push weights; evaluate again."""
+    cfg, phase, pipeline = run.cfg, run.phase, run.pipeline
+    started = time.perf_counter()
+    await pipeline.start()
+    await phase.enter_rollout(version=0)
+    summary = {f"{k}_before": v for k, v in (await _evaluate(run)).items()}
+    _announce(run, f"heldout before: {summary}")
+    for step in range(cfg.train.max_steps):
+        step_started = time.perf_counter()
+        batch = await pipeline.run_step(step)  # ROLLOUT: streamed through every stage
+        global_samples = phase.batch_ready(len(batch))  # one all-reduce decides ROLLOUT → TRAIN
+        await phase.enter_train()
+        stats = run.actor.train_step(batch) if global_samples else {}
+        run.accounting.train(len(batch))
+        run.accounting.check(step)
+        await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake
+        stats.update(_reward_stats(batch, run.actor.all_reduce_sum))
+        stats.update({f"phase/{k}_seconds": v for k, v in phase.timings.items()})
+        stats["step_seconds"] = time.perf_counter() - step_started
+        stats["generated_tokens_per_s"] = run.pipeline.generator.generated_tokens / max(stats["step_seconds"], 1e-9)
+        run.pipeline.generator.generated_tokens = 0
+        _log_step(run, step, stats)
+        _write_trajectories(run, step, batch)
+        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and step + 1 < cfg.train.max_steps:
+            _announce(run, f"step {step + 1}: {await _evaluate(run)}")
+    summary.update({f"{k}_after": v for k, v in (await _evaluate(run)).items()})
+    summary.update(steps=cfg.train.max_steps, seconds=time.perf_counter() - started)
+    summary.update(run.accounting.summary())
+    return summary
+
+
+async def _evaluate(run: Run) -> dict[str, float]:
+    if run.eval_dataset is None:
+        return {}
+    from streamrft.runtime.distributed import all_reduce_sum
+    from streamrft.runtime.evaluation import evaluate
+
+    return await evaluate(run.eval_engine, run.strategy.tokenizer, run.eval_dataset, run.scorer, run.dist.rank, run.dist.world_size, all_reduce_sum, run.cfg.data.eval_size)
+
+
+def _reward_stats(batch, all_reduce_sum) -> dict[str, float]:
+    rewards = [s.header.reward for s in batch]
+    t = all_reduce_sum(torch.tensor([len(rewards), sum(rewards), sum(r * r for r in rewards)], dtype=torch.float64))
+    n = max(t[0].item(), 1.0)
+    mean = t[1].item() / n
+    return {"reward_mean": mean, "reward_std": math.sqrt(max(t[2].item() / n - mean * mean, 0.0))}
+
+
+def _announce(run: Run, text: str) -> None:
+    if run.dist.rank == 0:
+        print(f"streamrft: {text}", flush=True)
+
+
+def _log_step(run: Run, step: int, stats: dict[str, float]) -> None:
+    if run.metrics is not None:
+        run.metrics.observe_step(step, stats)
+    for logger in run.loggers:
+        logger.log(step, stats)
+    if run.dist.rank == 0 and (step % run.cfg.train.log_every == 0 or step + 1 == run.cfg.train.max_steps):
+        keys = ("loss", "reward_mean", "kl", "entropy", "grad_norm", "step_seconds")
+        shown = " ".join(f"{k}={stats[k]:.4g}" for k in keys if k in stats)
+        print(f"step {step + 1}/{run.cfg.train.max_steps} {shown}", flush=True)
+
+
+def _write_trajectories(run: Run, step: int, batch) -> None:
+    if not run.sinks:
+        return
+    from streamrft.runtime.trajectories import trajectory_records
+
+    for record in trajectory_records(run, step, batch):
+        for sink in run.sinks:
+            sink.write(record)
+
+
+async def _shutdown(run: Run) -> None:
+    await run.pipeline.stop()
+    for sink in run.sinks:
+        sink.close()
+    for logger in run.loggers:
+        logger.close()
+    if run.exporter is not None:
+        from streamrft.metrics.exporter import stop_exporter
+
+        stop_exporter(run.exporter)
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """Entry point of `streamrft train`: one call per rank (torchrun starts the ranks)."""
+    from streamrft.runtime.distributed import destroy_distributed, init_distributed
+
+    dist = init_distributed(timeout_s=cfg.rollout.stage_timeout_s)
+    try:
+        validate_config(cfg, dist.world_size)
+        run = build_run(cfg, dist)
+        return asyncio.run(_run_with_signals(run))
+    finally:
+        destroy_distributed()
+
+
+async def _run_with_signals(run: Run) -> dict[str, float]:
+    """Ctrl-C / SIGTERM cancel the loop; sockets are closed on every exit path."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    received: list[str] = []
+
+    def on_signal(name: str) -> None:
+        received.append(name)
+        main.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    try:
+        return await train_loop(run)
+    except asyncio.CancelledError:
+        if received:
+            raise KeyboardInterrupt(f"streamrft: stopped by {received[0]} on rank {run.dist.rank}; sockets closed") from None
+        raise
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await _shutdown(run)

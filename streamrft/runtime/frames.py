@@ -1,0 +1,111 @@
+"""Tensors <-> raw frames: the bytes that travel beside a channel header, described by TensorSpec.
+
+One tensor is one frame holding its contiguous CPU bytes, in the order of the header's ``tensors``
+list. Nothing is pickled: a peer in another language reads a frame with the dtype name and shape from
+its TensorSpec alone.
+
+Zero-copy both ways:
+- sending, the frame is a numpy view of the tensor's own storage (pyzmq keeps a reference to it until
+  libzmq has sent it), so the caller must not modify a tensor in place after handing it to ``send``;
+- receiving, the tensor is a view of the ZeroMQ frame's memory (``torch.frombuffer`` keeps the frame
+  alive). Over ``inproc://`` that memory may be the sender's own tensor storage, so a consumer that
+  wants to write into a received tensor should ``clone()`` it first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from protocols import ProtocolError, TensorSpec
+
+
+def _supported_dtypes() -> dict[str, torch.dtype]:
+    names = [
+        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+        "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+        "float8_e4m3fn", "float8_e5m2",
+    ]  # fmt: skip
+    # uint16/32/64 and float8 exist only in newer torch builds; keep what this one has.
+    return {name: getattr(torch, name) for name in names if isinstance(getattr(torch, name, None), torch.dtype)}
+
+
+DTYPES_BY_NAME: dict[str, torch.dtype] = _supported_dtypes()
+_NAME_BY_DTYPE = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
+
+
+class TensorFrameError(ValueError):
+    """A tensor handed to ``send`` that cannot travel as a raw frame (device, dtype, name)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype ("int64", "bfloat16"); raises TensorFrameError if unsupported."""
+    name = _NAME_BY_DTYPE.get(dtype)
+    if name is None:
+        raise TensorFrameError(
+            f"dtype {dtype} cannot travel on a channel; use one of {sorted(DTYPES_BY_NAME)}"
+        )
+    return name
+
+
+def tensors_to_frames(tensors: Mapping[str, torch.Tensor] | None) -> tuple[list[TensorSpec], list[np.ndarray]]:
+    """Specs for the header and one buffer per tensor, in the same order; no copy for contiguous input.
+
+    A non-contiguous tensor is made contiguous (one copy). A tensor not on the CPU is a user error:
+    moving it is the caller's decision (it may be a deliberate GPU-resident buffer).
+    """
+    specs: list[TensorSpec] = []
+    buffers: list[np.ndarray] = []
+    for name, tensor in (tensors or {}).items():
+        if not isinstance(name, str) or not name:
+            raise TensorFrameError(f"tensor name {name!r} must be a non-empty string")
+        if not isinstance(tensor, torch.Tensor):
+            raise TensorFrameError(f"tensors[{name!r}] is a {type(tensor).__name__}, expected a torch.Tensor")
+        if tensor.device.type != "cpu":
+            raise TensorFrameError(
+                f"tensors[{name!r}] is on device {tensor.device}; channels carry CPU bytes, "
+                f"send tensors[{name!r}].cpu() (or keep it on the device and send a handle)"
+            )
+        specs.append(TensorSpec(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape)))
+        flat = tensor.detach().contiguous().reshape(-1)
+        # Viewing as bytes works for every dtype, including bfloat16 which numpy does not know.
+        buffers.append(flat.view(torch.uint8).numpy())
+    return specs, buffers
+
+
+def frames_to_tensors(specs: Sequence[TensorSpec], buffers: Sequence[memoryview]) -> dict[str, torch.Tensor]:
+    """Tensors viewing ``buffers`` as described by ``specs``; ProtocolError on any disagreement."""
+    if len(specs) != len(buffers):
+        raise ProtocolError(
+            f"header lists {len(specs)} tensor(s) {[s.name for s in specs]} but {len(buffers)} "
+            "tensor frame(s) arrived; the sender must send one frame per TensorSpec"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for spec, buffer in zip(specs, buffers):
+        dtype = DTYPES_BY_NAME.get(spec.dtype)
+        if dtype is None:
+            raise ProtocolError(f"tensor {spec.name!r} has unknown dtype {spec.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
+        if spec.name in tensors:
+            raise ProtocolError(f"tensor name {spec.name!r} appears twice in the header")
+        if any(dim < 0 for dim in spec.shape):
+            raise ProtocolError(f"tensor {spec.name!r} has a negative dimension in shape {list(spec.shape)}")
+        numel = math.prod(spec.shape)
+        expected = numel * dtype.itemsize
+        if buffer.nbytes != expected:
+            raise ProtocolError(
+                f"tensor {spec.name!r} ({spec.dtype}, shape {list(spec.shape)}) needs {expected} bytes, "
+                f"its frame has {buffer.nbytes}"
+            )
+        if numel == 0:
+            # torch.frombuffer refuses an empty buffer; an empty tensor owns no bytes anyway.
+            tensors[spec.name] = torch.empty(spec.shape, dtype=dtype)
+        else:
+            if np.frombuffer(buffer, dtype=np.uint8).ctypes.data % dtype.itemsize:
+                # libzmq may hand over a frame that starts at any offset of its receive buffer;
+                # kernels assume dtype-aligned memory, so copy the (rare) misaligned frame.
+                buffer = bytearray(buffer)
+            tensors[spec.name] = torch.frombuffer(buffer, dtype=dtype).reshape(spec.shape)
+    return tensors

@@ -1,0 +1,79 @@
+"""PhaseController: switches colocated GPUs between ROLLOUT and TRAIN, timing every switch.
+
+ROLLOUT → TRAIN happens when the learner inbox holds a full train batch on every rank: one
+all-reduce of the per-rank sample counts decides it (and gives the global batch size).
+Then: engine.sleep() (free the KV cache), reshard the learner, reload optimizer state, train.
+TRAIN → ROLLOUT: offload optimizer state, push weights to the engine (the embedded hf engine runs the
+learner's own module, so only the version moves), unshard for generation, engine.wake().
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+ROLLOUT, TRAIN = "rollout", "train"
+
+
+class PhaseController:
+    def __init__(self, strategy, engine, all_reduce_sum, metrics=None, sleep_level: int = 1):
+        self.strategy, self.engine = strategy, engine
+        self.all_reduce_sum = all_reduce_sum
+        self.metrics = metrics
+        self.sleep_level = sleep_level
+        self.state = TRAIN  # the learner owns the devices until the first rollout
+        self.timings: dict[str, float] = {}
+        self.events: list[str] = []  # ordered record of what was done, for tests and logs
+
+    @contextmanager
+    def _timed(self, part: str):
+        started = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - started
+        self.timings[part] = seconds
+        self.events.append(part)
+        if self.metrics is not None:
+            self.metrics.phase_switch_seconds.labels(transition=part).observe(seconds)
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        if self.metrics is not None:
+            self.metrics.phase_state.set(0 if state == ROLLOUT else 1)
+
+    async def enter_rollout(self, version: int) -> None:
+        assert self.state == TRAIN, self.state
+        started = time.perf_counter()
+        with self._timed("offload"):
+            self.strategy.offload()
+        with self._timed("weight_push"):
+            await self.engine.update_weights([], version)
+        with self._timed("unshard"):
+            self.strategy.unshard_for_rollout()
+        with self._timed("wake"):
+            await self.engine.wake()
+        self.timings["train_to_rollout"] = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.phase_switch_seconds.labels(transition="train_to_rollout").observe(self.timings["train_to_rollout"])
+        self._set_state(ROLLOUT)
+
+    def batch_ready(self, local_samples: int) -> int:
+        """Every rank has its full local batch: one all-reduce of counts; returns the global count."""
+        with self._timed("decide"):
+            total = self.all_reduce_sum(torch.tensor([float(local_samples)]))
+        return int(total.item())
+
+    async def enter_train(self) -> None:
+        assert self.state == ROLLOUT, self.state
+        started = time.perf_counter()
+        with self._timed("sleep"):
+            await self.engine.sleep(self.sleep_level)
+        with self._timed("reshard"):
+            self.strategy.reshard_after_rollout()
+        with self._timed("reload"):
+            self.strategy.reload()
+        self.timings["rollout_to_train"] = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.phase_switch_seconds.labels(transition="rollout_to_train").observe(self.timings["rollout_to_train"])
+        self._set_state(TRAIN)

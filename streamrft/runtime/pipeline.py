@@ -1,0 +1,95 @@
+"""Wires one rank's stages with credit-based channels and supervises them.
+
+    Generator ─► RewardScorer ─► TeacherFetcher ─► AdvantageStage ─► LearnerFeed
+        ▲                                              │ group_done (kept / filtered)
+        └──────────────────────────────────────────────┘
+
+A stage task that dies stops the run with the stage and rank in the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from protocols import Completion, Control, ScoredSample
+from streamrft.runtime.advantage_stage import AdvantageStage
+from streamrft.runtime.channels import ChannelReceiver, ChannelSender, channel_address
+from streamrft.runtime.feed import LearnerFeed, TrainSample
+from streamrft.runtime.generator import Generator
+from streamrft.runtime.scoring import RewardScorerStage, TeacherFetcherStage
+from streamrft.runtime.stage import StageContext, StageError
+
+
+class Pipeline:
+    def __init__(self, cfg, ctx: StageContext, world_size: int, engine, tokenizer, dataset, scorer, teacher=None, run_id: str | None = None, policy_version_fn=lambda: 0):
+        self.cfg, self.ctx = cfg, ctx
+        self.run_id = run_id or uuid.uuid4().hex[:8]
+        transport, cap, rank = cfg.rollout.channel_transport, cfg.rollout.channel_capacity, ctx.rank
+        self._sockets: list = []
+
+        def link(name: str, message_type) -> tuple[ChannelReceiver, ChannelSender]:
+            receiver = ChannelReceiver(channel_address(transport, name, rank, self.run_id), cap, name=name, rank=rank, message_type=message_type)
+            sender = ChannelSender(receiver.address, name=name, rank=rank)
+            self._sockets += [sender, receiver]
+            return receiver, sender
+
+        reward_in, to_reward = link("reward", Completion | Control)
+        teacher_in, to_teacher = link("teacher", ScoredSample | Control)
+        advantage_in, to_advantage = link("advantage", ScoredSample | Control)
+        feed_in, to_feed = link("learner_feed", ScoredSample | Control)
+        feedback_in, to_generator = link("generator_feedback", Control)
+
+        self.generator = Generator(ctx, feedback_in, to_reward, engine, tokenizer, dataset, cfg, world_size)
+        self.stages = [
+            RewardScorerStage(ctx, reward_in, to_teacher, scorer, cfg.reward.max_concurrency),
+            TeacherFetcherStage(ctx, teacher_in, to_advantage, teacher, cfg.reward.max_concurrency),
+            AdvantageStage(ctx, advantage_in, to_feed, to_generator, cfg),
+        ]
+        self.feed = LearnerFeed(ctx, feed_in, cfg.rollout.max_staleness, policy_version_fn)
+        self.stages.append(self.feed)
+        self.tasks: dict[asyncio.Task, str] = {}
+
+    async def start(self) -> None:
+        for stage in self.stages:
+            task = asyncio.create_task(stage.run(), name=f"{stage.name}-rank{self.ctx.rank}")
+            self.tasks[task] = stage.name
+
+    def _check_stages(self) -> None:
+        for task, name in self.tasks.items():
+            if task.done():
+                exc = task.exception() if not task.cancelled() else None
+                if isinstance(exc, StageError):
+                    raise exc
+                raise StageError(f"stage {name} on rank {self.ctx.rank} stopped: {exc!r}") from exc
+
+    async def run_step(self, step: int) -> list[TrainSample]:
+        """Roll out one step on this rank and return its train samples once the batch is complete."""
+        self.ctx.rollout_active.set()
+        generate = asyncio.create_task(self.generator.run_step(step), name=f"generator-rank{self.ctx.rank}")
+        batch = asyncio.create_task(self.feed.wait_batch(step), name=f"batch-rank{self.ctx.rank}")
+        try:
+            pending = {generate, batch, *self.tasks}
+            while not batch.done():
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if generate in done:
+                    pending.discard(generate)
+                    if generate.exception() is not None:
+                        raise StageError(f"stage generator on rank {self.ctx.rank} failed: {generate.exception()}") from generate.exception()
+                self._check_stages()
+            await generate
+            return batch.result()
+        finally:
+            self.ctx.rollout_active.clear()
+            for task in (generate, batch):
+                if not task.done():
+                    task.cancel()
+
+    async def stop(self, reason: str = "done") -> None:
+        """Cancel stage tasks and close every socket (linger 0): nothing is left behind."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for sock in self._sockets:
+            sock.close()
+        self.tasks.clear()

@@ -1,0 +1,114 @@
+"""RewardScorer and TeacherFetcher stages: each sample is scored as soon as its own generation ends.
+
+Scoring runs as one task per sample (bounded by ``reward.max_concurrency``), so a slow reward source
+overlaps generation instead of serialising it. A failed score fails that sample, counted with its
+reason; under ``fail_fast`` it stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from protocols import Completion, Control, RewardItem, ScoredSample
+from streamrft.runtime.stage import Stage, StageContext, StageError
+
+
+class _ConcurrentStage(Stage):
+    """A stage that handles each sample in its own task and forwards end_of_step after they finish."""
+
+    def __init__(self, ctx: StageContext, inbox, outbox, max_concurrency: int):
+        super().__init__(ctx, inbox)
+        self.outbox = outbox
+        self.slots = asyncio.Semaphore(max_concurrency)
+        self.tasks: set[asyncio.Task] = set()
+
+    def _reap(self) -> None:
+        for task in [t for t in self.tasks if t.done()]:
+            self.tasks.discard(task)
+            if task.exception() is not None:
+                raise task.exception()
+
+    async def handle(self, header, tensors) -> bool:
+        self._reap()
+        if isinstance(header, Control):
+            if self.tasks:
+                await asyncio.gather(*self.tasks)
+            self._reap()
+            await self.outbox.send(header, timeout=self.ctx.stage_timeout_s)
+            return header.signal == "stop"
+        await self.slots.acquire()
+        task = asyncio.create_task(self._process_released(header, tensors), name=f"{self.name}-item")
+        self.tasks.add(task)
+        return False
+
+    async def _process_released(self, header, tensors) -> None:
+        try:
+            await self.process(header, tensors)
+        finally:
+            self.slots.release()
+
+    async def process(self, header, tensors) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class RewardScorerStage(_ConcurrentStage):
+    name = "reward"
+
+    def __init__(self, ctx: StageContext, inbox, outbox, scorer, max_concurrency: int):
+        super().__init__(ctx, inbox, outbox, max_concurrency)
+        self.scorer = scorer
+
+    async def process(self, completion: Completion, tensors) -> None:
+        started = time.perf_counter()
+        item = RewardItem(
+            sample_id=completion.sample_id,
+            prompt=completion.prompt_text,
+            response=completion.response_text,
+            reference=completion.reference,
+            label=completion.label,
+        )
+        (outcome,) = await self.scorer.score([item])
+        error = outcome.error
+        if not error and not math.isfinite(outcome.reward):
+            error = f"non-finite reward {outcome.reward}"
+        if error and self.ctx.fail_fast:
+            raise StageError(
+                f"stage reward on rank {self.ctx.rank}: sample {completion.sample_id} failed: {error} (fail_fast: true)"
+            )
+        scored = ScoredSample(
+            completion=completion,
+            reward=0.0 if error else float(outcome.reward),
+            reward_components={k: float(v) for k, v in outcome.components.items()},
+            status="failed" if error else "ok",
+            fail_reason=f"reward: {error}" if error else "",
+            score_seconds=time.perf_counter() - started,
+        )
+        self.observe_latency(started)
+        await self.outbox.send(scored, tensors, timeout=self.ctx.stage_timeout_s)
+
+
+class TeacherFetcherStage(_ConcurrentStage):
+    """Adds ``teacher_logprobs`` from a remote teacher (on-policy distillation); without a teacher it
+    passes samples straight through."""
+
+    name = "teacher"
+
+    def __init__(self, ctx: StageContext, inbox, outbox, teacher=None, max_concurrency: int = 16):
+        super().__init__(ctx, inbox, outbox, max_concurrency)
+        self.teacher = teacher
+
+    async def process(self, scored: ScoredSample, tensors) -> None:
+        if self.teacher is not None and scored.status == "ok":
+            started = time.perf_counter()
+            try:
+                tensors["teacher_logprobs"] = await self.teacher.logprobs(
+                    tensors["prompt_ids"], tensors["response_ids"]
+                )
+            except Exception as exc:  # counted as a failed sample, never swallowed
+                if self.ctx.fail_fast:
+                    raise StageError(f"stage teacher on rank {self.ctx.rank}: {exc}") from exc
+                scored.status, scored.fail_reason = "failed", f"teacher: {exc}"
+            self.observe_latency(started)
+        await self.outbox.send(scored, tensors, timeout=self.ctx.stage_timeout_s)
