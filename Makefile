@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=2 $(VENV)/bin/streamrft demo pipelines/arith/config.yaml
+	OMP_NUM_THREADS=2 $(PY) pipelines/arith/demo.py pipelines/arith/config.yaml
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests

@@ -24,8 +24,12 @@ def logprobs_from_logits(logits_BTV: Tensor, targets_BT: Tensor, temperature: fl
 
 
 def entropy_from_logits(logits_BTV: Tensor, temperature: float = 1.0) -> Tensor:
-    """(B, T) H = logsumexp(z) - sum_v softmax(z)_v z_v with z = logits / temperature (stable for large z)."""
+    """(B, T) H = logsumexp(z) - sum_v softmax(z)_v z_v with z = logits / temperature.
+
+    z is shifted by its row max first (H is shift-invariant), so large logits lose no precision.
+    """
     z_BTV = _scaled(logits_BTV, temperature)
+    z_BTV = z_BTV - z_BTV.amax(dim=-1, keepdim=True).detach()
     p_BTV = torch.softmax(z_BTV, dim=-1)
     return torch.logsumexp(z_BTV, dim=-1) - (p_BTV * z_BTV).sum(dim=-1)
 

@@ -13,7 +13,7 @@ class TrainConfig(Section):
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     weight_decay: float = 0.0
-    adam_betas: list[float] = [0.9, 0.999]
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 = off
     micro_batch_tokens: int = 8192  # token budget of one forward/backward microbatch

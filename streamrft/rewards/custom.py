@@ -31,6 +31,10 @@ from typing import Any, Callable, Sequence
 from protocols import RewardItem
 
 
+class BatchRewardError(RuntimeError):
+    """A batched reward function failed for its whole batch (raised, or returned the wrong length)."""
+
+
 def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark ``fn`` as batched: called once with lists (responses, references, prompts=, labels=)."""
     fn.batched = True  # type: ignore[attr-defined]
@@ -141,12 +145,12 @@ class RewardFunction:
         responses = [it.response for it in items]
         references = [it.reference for it in items]
         try:
-            values = await self._call(responses, references, **kwargs)
-            values = list(values)
+            values = list(await self._call(responses, references, **kwargs))
         except Exception as exc:
-            return [exc] * len(items)
+            err = BatchRewardError(f"batched reward function {self.name!r} raised {type(exc).__name__}: {exc}")
+            return [err] * len(items)
         if len(values) != len(items):
-            err = ValueError(
+            err = BatchRewardError(
                 f"batched reward function {self.name!r} returned {len(values)} values for {len(items)} samples"
             )
             return [err] * len(items)

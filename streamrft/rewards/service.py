@@ -50,7 +50,7 @@ import zmq
 import zmq.asyncio
 
 from protocols import ProtocolError, RewardItem, RewardReply, RewardRequest, decode, encode
-from streamrft.rewards.custom import RewardFunction
+from streamrft.rewards.custom import BatchRewardError, RewardFunction
 from streamrft.rewards.remote import peek_request_id
 from streamrft.rewards.sources import resolve_reward_function
 
@@ -95,6 +95,9 @@ class RewardService:
         self._pending[rid] = future
         try:
             reply = await self._score(request)
+        except asyncio.CancelledError:
+            future.cancel()  # a retry joined to this one must not wait forever
+            raise
         except Exception as exc:  # an unexpected bug: answer with it rather than leave the peer waiting
             reply = self._error(rid, f"{type(exc).__name__}: {exc}")
         finally:
@@ -111,6 +114,9 @@ class RewardService:
                 _log(f"scoring request {request.request_id} ({len(request.items)} items)")
             self.n_scored += 1
             values = await self.fn.score(request.items)
+        if values and isinstance(values[0], BatchRewardError):  # the whole batch failed: say so once
+            _log(f"request {request.request_id}: {values[0]}")
+            return self._error(request.request_id, str(values[0]))
         rewards = []
         for item, value in zip(request.items, values):
             if isinstance(value, Exception) or not math.isfinite(value):
@@ -120,9 +126,6 @@ class RewardService:
                 rewards.append(math.nan)
             else:
                 rewards.append(float(value))
-        if len(values) == len(request.items) and len(set(map(id, values))) == 1 and isinstance(values[0], Exception):
-            # A batched function that failed as a whole (raised, or returned the wrong length).
-            return self._error(request.request_id, f"{self.fn.name}: {type(values[0]).__name__}: {values[0]}")
         return RewardReply(request_id=request.request_id, rewards=rewards, components={self.fn.name: rewards})
 
     def _error(self, request_id: str, message: str) -> RewardReply:
@@ -159,7 +162,7 @@ async def _serve_router(service: RewardService, sock: zmq.asyncio.Socket, stop: 
         for task in not_done:
             task.cancel()
         for task in done:
-            if task.exception() is not None:
+            if not task.cancelled() and task.exception() is not None:
                 _log(f"a reply could not be sent: {task.exception()!r}")
 
 

@@ -1,0 +1,50 @@
+"""Rollout engines, chosen by ``engine.type`` through the explicit ``ENGINES`` dict.
+
+Each entry is a builder ``(cfg, module, tokenizer, device) -> RolloutEngine``. Builders import their
+engine inside the function, so optional backends (vllm, sglang) are imported only when selected.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from streamrft.engines.base import GeneratedSample, GenerationRequest, RolloutEngine
+
+if TYPE_CHECKING:
+    from streamrft.config.engine import EngineConfig
+
+
+def eos_ids_of(tokenizer, module: torch.nn.Module | None = None) -> list[int]:
+    """EOS ids from the tokenizer plus the model's generation config (which may list several)."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    extra = getattr(getattr(module, "generation_config", None), "eos_token_id", None)
+    for i in extra if isinstance(extra, (list, tuple)) else ([] if extra is None else [extra]):
+        if int(i) not in ids:
+            ids.append(int(i))
+    return ids
+
+
+def _build_hf(cfg: EngineConfig, module: torch.nn.Module, tokenizer, device: torch.device) -> RolloutEngine:
+    from streamrft.engines.hf import HFEngine
+
+    eos = eos_ids_of(tokenizer, module)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    return HFEngine(module, cfg, eos_token_ids=eos, pad_token_id=int(pad), device=device)
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {
+    "hf": _build_hf,
+}
+
+
+def build_engine(cfg: EngineConfig, module: torch.nn.Module, tokenizer, device: torch.device) -> RolloutEngine:
+    """The engine named by ``cfg.type`` (``engine.type`` in the config)."""
+    builder = ENGINES.get(cfg.type)
+    if builder is None:
+        raise ValueError(f"engine.type={cfg.type!r} is not available here; choose one of {sorted(ENGINES)}")
+    return builder(cfg, module, tokenizer, device)
+
+
+__all__ = ["ENGINES", "GeneratedSample", "GenerationRequest", "RolloutEngine", "build_engine", "eos_ids_of"]

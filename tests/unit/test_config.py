@@ -1,0 +1,86 @@
+"""Config loading: unknown keys, wrong types and incompatible settings fail before anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streamrft.config import ConfigError, load_config, validate_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_overrides_set_dotted_keys_with_typed_values(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  max_steps: 5\n"), ["train.max_steps=7", "train.lr=0.5", "engine.stop_token_ids=[1, 2]"])
+    assert cfg.train.max_steps == 7
+    assert cfg.train.lr == 0.5
+    assert cfg.engine.stop_token_ids == [1, 2]
+
+
+def test_unknown_key_is_an_error_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown field `max_step`.*train"):
+        load_config(write(tmp_path, "train:\n  max_step: 5\n"))
+
+
+def test_unknown_override_key_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="unknown field `learning_rate`"):
+        load_config(None, ["train.learning_rate=1"])
+
+
+def test_wrong_type_is_an_error_naming_the_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"Expected `int`, got `str` - at `train.max_steps`"):
+        load_config(write(tmp_path, "train:\n  max_steps: many\n"))
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_malformed_yaml_names_the_file(tmp_path):
+    path = write(tmp_path, "train: [unclosed\n")
+    with pytest.raises(ConfigError, match=str(path)):
+        load_config(path)
+
+
+def test_override_without_equals_sign_is_an_error():
+    with pytest.raises(ConfigError, match="is not key=value"):
+        load_config(None, ["train.max_steps"])
+
+
+def rule_reward() -> list[str]:
+    return ["reward.sources=[{name: exact, type: rule, fn: arith}]"]
+
+
+def test_group_norm_with_one_sample_per_prompt_is_rejected():
+    cfg = load_config(None, ["rollout.n_samples_per_prompt=1", *rule_reward()])
+    with pytest.raises(ConfigError, match="n_samples_per_prompt >= 2"):
+        validate_config(cfg, world_size=1, check_paths=False)
+
+
+def test_train_batch_not_divisible_by_world_size_is_rejected():
+    cfg = load_config(None, ["rollout.prompts_per_step=6", *rule_reward()])
+    with pytest.raises(ConfigError, match="prompts_per_step=6 is not divisible by world_size=4"):
+        validate_config(cfg, world_size=4, check_paths=False)
+    validate_config(cfg, world_size=2, check_paths=False)
+
+
+def test_missing_model_path_is_rejected_with_the_key(tmp_path):
+    cfg = load_config(None, [f"model.path={tmp_path / 'nomodel'}", *rule_reward()])
+    with pytest.raises(ConfigError, match=r"model.path=.*nomodel: no config.json"):
+        validate_config(cfg, world_size=1)
+
+
+def test_every_shipped_pipeline_config_loads():
+    configs = sorted((REPO / "pipelines").glob("*/config*.yaml"))
+    assert configs, "no pipeline configs found"
+    for path in configs:
+        cfg = load_config(path)
+        validate_config(cfg, world_size=1, check_paths=False)

@@ -1,0 +1,133 @@
+"""Trajectory sinks: what they write is read back and equals what was written."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import msgspec
+import pyarrow.parquet as pq
+import pytest
+
+from protocols import TrajectoryRecord
+from streamrft.sinks import (
+    JsonlSink,
+    ParquetSink,
+    TrajectorySubscriber,
+    ZmqPubSink,
+    build_sinks,
+    rank_address,
+    trajectory_schema,
+)
+from streamrft.sinks.reader import read_trajectories
+from streamrft.sinks.synthetic import synthetic_records
+
+
+def sinks_cfg(**overrides):
+    base = dict(jsonl="", parquet="", parquet_rows_per_file=4096, zmq_pub="", zmq_hwm=1000)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def test_jsonl_sink_writes_one_file_per_rank_with_one_record_per_line(tmp_path):
+    records = synthetic_records(5, rank=1)
+    sink = JsonlSink(tmp_path, run_id="run7", rank=1)
+    for r in records:
+        sink.write(r)
+    sink.close()
+    lines = (tmp_path / "run7-rank1.jsonl").read_bytes().splitlines()
+    assert len(lines) == 5
+    assert [msgspec.json.decode(line, type=TrajectoryRecord) for line in lines] == records
+
+
+def test_parquet_sink_rolls_files_every_rows_per_file_and_reads_back_equal(tmp_path):
+    records = synthetic_records(10)
+    sink = ParquetSink(tmp_path, rows_per_file=4, run_id="run7", rank=0)
+    for r in records[:6]:
+        sink.write(r)
+    sink.flush()
+    # The third file is being filled: it is not yet visible as *.parquet.
+    assert sorted(p.name for p in tmp_path.glob("*.parquet")) == ["run7-rank0-00000.parquet"]
+    for r in records[6:]:
+        sink.write(r)
+    sink.close()
+    files = sorted(tmp_path.glob("*.parquet"))
+    assert [pq.read_metadata(f).num_rows for f in files] == [4, 4, 2]
+    assert pq.read_schema(files[0]).names == [f.name for f in msgspec.structs.fields(TrajectoryRecord)]
+    assert list(read_trajectories(tmp_path)) == records
+
+
+def test_parquet_schema_has_a_column_for_every_trajectory_record_field():
+    assert trajectory_schema().names == list(TrajectoryRecord.__struct_fields__)
+
+
+def test_a_resumed_parquet_sink_continues_the_file_numbering_instead_of_overwriting(tmp_path):
+    for batch in (synthetic_records(2, step=0), synthetic_records(2, step=1)):
+        sink = ParquetSink(tmp_path, rows_per_file=100, run_id="r", rank=0)
+        for r in batch:
+            sink.write(r)
+        sink.close()
+    assert sorted(p.name for p in tmp_path.glob("*.parquet")) == ["r-rank0-00000.parquet", "r-rank0-00001.parquet"]
+    assert [r.step for r in read_trajectories(tmp_path)] == [0, 0, 1, 1]
+
+
+def test_zmq_pub_sink_delivers_every_record_after_the_ready_handshake():
+    sink = ZmqPubSink("tcp://127.0.0.1:0")
+    received: list[TrajectoryRecord] = []
+    with TrajectorySubscriber(sink.address) as subscriber:
+        assert sink.wait_for_subscribers(1, timeout=5)
+        records = synthetic_records(20)
+        for r in records:
+            sink.write(r)
+        while (r := subscriber.recv(timeout=2)) is not None and len(received) < 20:
+            received.append(r)
+    sink.close()
+    assert received == records
+
+
+def test_zmq_wait_for_subscribers_times_out_when_nobody_subscribes():
+    sink = ZmqPubSink("tcp://127.0.0.1:0")
+    try:
+        assert sink.wait_for_subscribers(1, timeout=0.2) is False
+    finally:
+        sink.close()
+
+
+def test_rank_address_offsets_tcp_ports_and_suffixes_other_transports():
+    assert rank_address("tcp://127.0.0.1:5600", 3) == "tcp://127.0.0.1:5603"
+    assert rank_address("ipc:///tmp/traj", 1) == "ipc:///tmp/traj-rank1"
+    with pytest.raises(ValueError, match="explicit port"):
+        rank_address("tcp://127.0.0.1", 0)
+
+
+def test_build_sinks_builds_what_the_config_turns_on_for_each_rank(tmp_path):
+    assert build_sinks(sinks_cfg(), run_id="r", rank=0) == []
+    sinks = build_sinks(sinks_cfg(jsonl=str(tmp_path / "j"), parquet=str(tmp_path / "p")), run_id="r", rank=1)
+    assert [type(s) for s in sinks] == [JsonlSink, ParquetSink]
+    for s in sinks:
+        s.write(synthetic_records(1, rank=1)[0])
+        s.close()
+    assert (tmp_path / "j" / "r-rank1.jsonl").exists()
+    assert (tmp_path / "p" / "r-rank1-00000.parquet").exists()
+    with pytest.raises(ValueError, match="sinks.parquet_rows_per_file"):
+        build_sinks(sinks_cfg(parquet=str(tmp_path), parquet_rows_per_file=0), run_id="r", rank=0)
+
+
+def test_a_slow_zmq_subscriber_never_blocks_the_writer():
+    sink = ZmqPubSink("tcp://127.0.0.1:0", hwm=10)
+    subscriber = TrajectorySubscriber(sink.address)
+    try:
+        assert sink.wait_for_subscribers(1, timeout=5)
+        done = threading.Event()
+
+        def write_many():
+            for r in synthetic_records(2000, response_len=64):
+                sink.write(r)
+            done.set()
+
+        writer = threading.Thread(target=write_many)
+        writer.start()
+        writer.join(10)
+        assert done.is_set(), "writer blocked on a subscriber that never reads"
+    finally:
+        subscriber.close()
+        sink.close()
