@@ -102,7 +102,7 @@ def test_forward_backward_and_step_match_an_unwrapped_model_and_report_its_grad_
     assert set(after) == set(ref_sd)
     for k, v in after.items():
         assert not torch.equal(v, before[k]), f"{k} did not change"
-        torch.testing.assert_close(v, ref_sd[k], atol=1e-6, rtol=1e-5, msg=k)
+        torch.testing.assert_close(v, ref_sd[k], atol=1e-6, rtol=1e-5, msg=lambda m: k + m)
 
     # the weights for the engine are the same tensors, in HF names, bucketed
     buckets = list(strat.full_state_for_engine(bucket_bytes=4096))

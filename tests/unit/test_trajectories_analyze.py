@@ -52,7 +52,7 @@ def test_analysis_reports_repetition_reflection_entropy_and_reward_of_known_reco
     entropy = report["entropy"]
     assert entropy["tokens"] == 14
     assert entropy["mean"] == pytest.approx((4 * 1.0 + 4 * 3.0 + 2 * 0.5) / 14)
-    assert entropy["p50"] == pytest.approx(0.75)
+    assert entropy["p50"] == pytest.approx(1.0)  # sorted: 0 x4, 0.5 x2, 1 x4, 3 x4
     assert entropy["p99"] == pytest.approx(3.0)
     assert entropy["high_entropy_fraction"] == pytest.approx(4 / 14)
     assert report["reward"]["mean"] == 0.5 and report["reward_components"] == {"correct": 0.5}
