@@ -45,6 +45,12 @@ def _serve_reward(argv: list[str]) -> int:
     return serve_reward_main(argv)
 
 
+def _serve_teacher(argv: list[str]) -> int:
+    from streamrft.teacher.service import serve_teacher_main
+
+    return serve_teacher_main(argv)
+
+
 def _trajectories(argv: list[str]) -> int:
     if not argv or argv[0] not in ("analyze", "render"):
         print("usage: streamrft trajectories {analyze,render} PATH [...]", file=sys.stderr)
@@ -66,7 +72,7 @@ def _schema(_args: argparse.Namespace) -> int:
 
 
 # Subcommands whose argument parsing belongs to their own module (they run without torch).
-_PASSTHROUGH = {"serve-reward": _serve_reward, "trajectories": _trajectories}
+_PASSTHROUGH = {"serve-reward": _serve_reward, "serve-teacher": _serve_teacher, "trajectories": _trajectories}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema = sub.add_parser("schema", help="print the JSON Schema of every wire message")
     schema.set_defaults(func=_schema)
     sub.add_parser("serve-reward", help="serve a reward function over ZeroMQ or HTTP (see its --help)")
+    sub.add_parser("serve-teacher", help="serve teacher log-probs for on-policy distillation (see its --help)")
     sub.add_parser("trajectories", help="analyze or render trajectory files (see its --help)")
     return parser
 

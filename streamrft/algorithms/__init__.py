@@ -41,6 +41,7 @@ from streamrft.algorithms.policy_losses import (
     ppo_clip,
     tis_weight,
 )
+from streamrft.config.algorithm import AlgorithmConfig
 
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "group_norm": Estimator(group_norm, scope="group"),
@@ -53,7 +54,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "gae": Estimator(gae, scope="batch", needs_critic=True),
 }
 
-POLICY_LOSSES: dict[str, Callable[[PolicyLossInputs, object], PolicyLossOutput]] = {
+POLICY_LOSSES: dict[str, Callable[[PolicyLossInputs, AlgorithmConfig], PolicyLossOutput]] = {
     "ppo_clip": ppo_clip,
     "clip_higher": clip_higher,
     "dual_clip": dual_clip,

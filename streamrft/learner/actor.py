@@ -154,6 +154,7 @@ class ActorUpdate:
         def loss_fn(mb, logp_BL, entropy_BL):
             mask = mb["response_mask"].to(logp_BL.dtype)
             old_logp = mb["old_logp"] if "old_logp" in mb else logp_BL.detach()
+            advantages = self._advantages(mb, old_logp).to(logp_BL.dtype)
             loss_mask = mask
             if algo.high_entropy_ratio < 1.0 and entropy_BL is not None:
                 loss_mask = mask * high_entropy_token_mask(entropy_BL.detach(), mask, algo.high_entropy_ratio).to(mask.dtype)
@@ -161,7 +162,7 @@ class ActorUpdate:
                 PolicyLossInputs(
                     logp=logp_BL,
                     old_logp=old_logp,
-                    advantages=mb["advantages"].to(logp_BL.dtype),
+                    advantages=advantages,
                     mask=loss_mask,
                     behaviour_logp=mb["behaviour_logprobs"].to(logp_BL.dtype),
                 ),
@@ -185,6 +186,17 @@ class ActorUpdate:
             return loss, metrics
 
         return loss_fn
+
+
+    def _advantages(self, mb, student_logp):
+        """Task advantages, replaced (``teacher.mode=pure``) or complemented (``hybrid``) by the
+        on-policy distillation advantage teacher_logp − student_logp per token (reverse KL)."""
+        if "teacher_logprobs" not in mb:
+            return mb["advantages"]
+        distill = (mb["teacher_logprobs"] - student_logp.detach()) * mb["response_mask"]
+        if self.cfg.teacher.mode == "pure":
+            return distill
+        return mb["advantages"] + self.cfg.teacher.weight * distill
 
 
 def _split(items: list, parts: int) -> list[list]:

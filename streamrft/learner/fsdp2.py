@@ -119,6 +119,7 @@ class FSDP2Strategy:
         self.module = shard_model(model, dist, self.compute_dtype).to(self.device)
         for m in fsdp_modules(self.module):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
         self.optimizer = build_optimizer(self.module.parameters(), train_cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, train_cfg, total_steps)
         self._rollout_mode = False

@@ -13,6 +13,7 @@ the last step's value as the trainer measured it.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -59,14 +60,21 @@ def sanitise_scalar_name(name: str) -> str:
 
 
 class _ConstLabels(Collector):
-    """Wraps a registry and adds fixed labels (``rank``) to every sample it exposes."""
+    """Wraps a registry and adds fixed labels (``rank``) to every sample it exposes.
 
-    def __init__(self, inner: CollectorRegistry, labels: Mapping[str, str]):
+    A scrape collects under ``lock``, so updates grouped in ``PipelineMetrics.atomic()`` are seen
+    all or none (e.g. admitted and trained counters of one step agree in every scrape).
+    """
+
+    def __init__(self, inner: CollectorRegistry, labels: Mapping[str, str], lock: threading.Lock):
         self._inner = inner
         self._labels = dict(labels)
+        self._lock = lock
 
     def collect(self) -> Iterable[Metric]:
-        for family in self._inner.collect():
+        with self._lock:
+            families = list(self._inner.collect())
+        for family in families:
             out = Metric(family.name, family.documentation, family.type, family.unit)
             out.samples = [s._replace(labels={**s.labels, **self._labels}) for s in family.samples]
             yield out
@@ -126,8 +134,9 @@ class PipelineMetrics:
         self.rank = rank
         self._metrics = CollectorRegistry(auto_describe=True)
         self._metrics.register(_ResourceCollector())
+        self._scrape_lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_ConstLabels(self._metrics, {"rank": str(rank)}))
+        self.registry.register(_ConstLabels(self._metrics, {"rank": str(rank)}, self._scrape_lock))
         r = self._metrics
 
         # Queue pressure, per stage (generator, reward, teacher, advantage, learner, ...).
@@ -211,6 +220,11 @@ class PipelineMetrics:
         self.train_scalar = Gauge(
             "streamrft_train_scalar", "Any other per-step scalar, by its observe_step name.", ["name"], registry=r
         )
+
+    def atomic(self) -> threading.Lock:
+        """``with metrics.atomic(): ...`` groups updates so no scrape sees half of them. Single
+        updates need no lock (prometheus_client's own are thread-safe); keep the block short."""
+        return self._scrape_lock
 
     def set_phase(self, phase: str) -> None:
         """Set streamrft_phase from a phase name ("rollout" | "train")."""

@@ -120,7 +120,9 @@ def math_rule(response: str, reference: str) -> float:
     parse_kw = _math_verify_timeouts()
     verify_timeout = 5 if parse_kw["parsing_timeout"] else None
     predicted = parse(f"$\\boxed{{{boxes[-1]}}}$", **parse_kw)
-    gold = parse(reference, **parse_kw) or parse(f"${reference}$", **parse_kw)
+    # A bare reference ("1+2x") is read as LaTeX: plain-expression parsing would stop at "2x".
+    as_latex = reference if "$" in reference or "\\boxed" in reference else f"${reference}$"
+    gold = parse(as_latex, **parse_kw) or parse(reference, **parse_kw)
     if not gold:
         raise ValueError(f"math rule: math-verify cannot parse reference {reference!r}; fix the dataset's reference field")
     if not predicted:

@@ -48,8 +48,10 @@ ZeroMQ details that matter here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import os
 import uuid
 from collections import deque
 from typing import Any
@@ -254,6 +256,10 @@ class ChannelReceiver:
             except RuntimeError:  # its event loop is already closed: nothing left to cancel
                 pass
         self._socket.close(linger=0)
+        if self.address.startswith("ipc://"):
+            # libzmq leaves the socket file behind; the receiver bound it, so it removes it.
+            with contextlib.suppress(OSError):
+                os.unlink(self.address[len("ipc://") :])
 
     # -- internals --------------------------------------------------------------------------
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import signal
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -55,12 +57,13 @@ def build_run(cfg: Config, dist) -> Run:
     from streamrft.runtime.evaluation import greedy_engine_config
     from streamrft.runtime.phase import PhaseController
     from streamrft.runtime.pipeline import Pipeline
+    from streamrft.teacher.client import build_teacher_client
 
     torch.manual_seed(cfg.seed)
     d = cfg.data
     dataset = PromptDataset(d.train_path, d.prompt_field, d.reference_field, d.label_field)
     eval_dataset = PromptDataset(d.eval_path, d.prompt_field, d.reference_field, d.label_field) if d.eval_path else None
-    strategy = build_strategy(cfg, dist, total_steps=cfg.train.max_steps)
+    strategy = build_strategy(cfg.model, cfg.train, dist, total_steps=cfg.train.max_steps)
     reference = None
     if cfg.algorithm.kl_coef > 0:
         reference = FrozenReference(cfg.model.reference_path or cfg.model.path, cfg.model, dist)
@@ -68,11 +71,12 @@ def build_run(cfg: Config, dist) -> Run:
     engine = build_engine(cfg.engine, strategy.module, tokenizer, dist.device)
     eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)
     scorer = build_reward_scorer(cfg.reward)
+    teacher = build_teacher_client(cfg.teacher, cfg.reward.timeout_s, cfg.reward.retries)
     accounting = Accounting(rank=dist.rank)
     metrics, exporter = _build_metrics(cfg, dist, accounting)
     ctx = StageContext(rank=dist.rank, stage_timeout_s=cfg.rollout.stage_timeout_s, accounting=accounting, fail_fast=cfg.fail_fast, metrics=metrics)
     run_id = uuid.uuid4().hex[:8]
-    pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, run_id=run_id, policy_version_fn=lambda: engine.policy_version)
+    pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, teacher, run_id=run_id, policy_version_fn=lambda: engine.policy_version)
     phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level)
     actor = ActorUpdate(strategy, reference, cfg, all_reduce_sum)
     return Run(cfg, dist, strategy, reference, engine, eval_engine, scorer, dataset, eval_dataset, pipeline, phase, actor, accounting, metrics, _build_loggers(cfg, dist), _build_sinks(cfg, dist, run_id), exporter, run_id)
@@ -112,6 +116,8 @@ async def train_loop(run: Run) -> dict[str, float]:
     """Evaluate, then for each step: rollout → decide → train → push weights; evaluate again."""
     cfg, phase, pipeline = run.cfg, run.phase, run.pipeline
     started = time.perf_counter()
+    if run.dist.rank == 0:
+        (Path(cfg.output_dir) / "steps.jsonl").unlink(missing_ok=True)
     await pipeline.start()
     await phase.enter_rollout(version=0)
     summary = {f"{k}_before": v for k, v in (await _evaluate(run)).items()}
@@ -163,6 +169,12 @@ def _announce(run: Run, text: str) -> None:
 
 
 def _log_step(run: Run, step: int, stats: dict[str, float]) -> None:
+    if run.dist.rank == 0:
+        # steps.jsonl: one line of reduced metrics per step (what tests and scripts read back).
+        path = Path(run.cfg.output_dir) / "steps.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps({"step": step + 1, **stats}) + "\n")
     if run.metrics is not None:
         run.metrics.observe_step(step, stats)
     for logger in run.loggers:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from streamrft.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from streamrft.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, value_loss
 from streamrft.config.algorithm import AlgorithmConfig
 
 B, T = 9, 7
@@ -233,3 +233,27 @@ def test_estimator_scopes_and_critic_needs_are_declared():
     group = {n for n, e in ADVANTAGE_ESTIMATORS.items() if e.scope == "group"}
     assert group == {"group_norm", "dr_grpo", "rloo", "reinforce_baseline", "cpgd"}
     assert {n for n, e in ADVANTAGE_ESTIMATORS.items() if e.needs_critic} == {"gae"}
+
+
+def test_clipped_value_loss_takes_the_larger_of_the_clipped_and_unclipped_errors():
+    g = torch.Generator().manual_seed(15)
+    old = torch.randn(B, T, generator=g, dtype=torch.float64)
+    values = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
+    returns = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = make_inputs(15).response_mask
+    loss, metrics = value_loss(values, old, returns, mask, clip_eps=0.2)
+    expected, clipped = [], []
+    for i in range(B):
+        row, crow = [], []
+        for t in range(T):
+            v, o, r, m = (float(x[i, t]) for x in (values, old, returns, mask))
+            unclipped = (v - r) ** 2
+            vc = o + min(max(v - o, -0.2), 0.2)
+            row.append(0.5 * max(unclipped, (vc - r) ** 2) * m)
+            crow.append(float((vc - r) ** 2 > unclipped) * m)
+        expected.append(row)
+        clipped.append(crow)
+    torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64), atol=1e-9, rtol=0)
+    assert metrics["vf_clipped"].tolist() == clipped and 0 < sum(map(sum, clipped))
+    off, _ = value_loss(values, old, returns, mask, clip_eps=0.0)
+    torch.testing.assert_close(off, 0.5 * (values - returns) ** 2 * mask)

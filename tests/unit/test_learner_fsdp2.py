@@ -82,14 +82,17 @@ def test_forward_backward_and_step_match_an_unwrapped_model_and_report_its_grad_
     mbs = _microbatches()
     n_tokens = float(sum(mb["response_mask"].sum() for mb in mbs))
     losses = [strat.forward_backward(mb, _loss_fn(n_tokens), T)["loss"] for mb in mbs]
-    out = strat.step()
 
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     ref_loss = 0.0
     for mb in mbs:
         loss = -(_direct_logp(ref, mb) * mb["adv"]).sum() / n_tokens
         loss.backward()
-        ref_loss += float(loss)
+        ref_loss += float(loss.detach())
+    ref_grads = dict(ref.named_parameters())
+    for name, p in strat.module.named_parameters():
+        torch.testing.assert_close(_full(p.grad), ref_grads[name].grad, atol=1e-7, rtol=1e-5)
+    out = strat.step()
     want_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in ref.parameters() if p.grad is not None))
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
     ref_opt.step()
@@ -102,7 +105,9 @@ def test_forward_backward_and_step_match_an_unwrapped_model_and_report_its_grad_
     assert set(after) == set(ref_sd)
     for k, v in after.items():
         assert not torch.equal(v, before[k]), f"{k} did not change"
-        torch.testing.assert_close(v, ref_sd[k], atol=1e-6, rtol=1e-5, msg=lambda m: k + m)
+        # Adam's first step is lr * g / (|g| + eps): elements with |g| ~ eps amplify 1e-7 grad noise, so
+        # the update is compared at 1e-3 of its size (lr = 1e-2); the gradients above are compared at 1e-7
+        torch.testing.assert_close(v, ref_sd[k], atol=1e-5, rtol=0, msg=lambda m: k + m)
 
     # the weights for the engine are the same tensors, in HF names, bucketed
     buckets = list(strat.full_state_for_engine(bucket_bytes=4096))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import threading
 import urllib.request
 
 import pytest
@@ -125,3 +127,26 @@ def test_stop_exporter_closes_the_port():
     stop_exporter(server)
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_updates_grouped_in_atomic_are_never_scraped_half_done():
+    metrics = PipelineMetrics()
+    stop = threading.Event()
+
+    def step_forever():
+        while not stop.is_set():
+            with metrics.atomic():
+                metrics.samples_admitted.inc(2)
+                metrics.samples_trained.inc(2)
+
+    writer = threading.Thread(target=step_forever)
+    writer.start()
+    try:
+        for _ in range(200):
+            text = metrics.exposition()
+            admitted = re.search(r"streamrft_samples_admitted_total\{rank=\"0\"\} (\S+)", text).group(1)
+            trained = re.search(r"streamrft_samples_trained_total\{rank=\"0\"\} (\S+)", text).group(1)
+            assert admitted == trained
+    finally:
+        stop.set()
+        writer.join(5)

@@ -1,0 +1,92 @@
+"""Prepare the arithmetic demo: tokenizer, tiny Qwen2, train/eval jsonl, supervised warm-up.
+
+    python pipelines/arith/prepare.py OUT_DIR [--seed 0] [--warmup-steps N]
+
+Writes ``OUT_DIR/base`` (random init), ``OUT_DIR/train.jsonl``, ``OUT_DIR/eval.jsonl`` and
+``OUT_DIR/sft`` (the warmed-up model, Hugging Face format, with ``warmup.json``: losses, wall time and
+held-out greedy accuracy). Idempotent: a step whose outputs exist is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from pipelines.arith.task import ARITH_ALPHABET, greedy_accuracy, read_rows, write_dataset  # noqa: E402
+from streamrft.learner.sft import supervised_warmup  # noqa: E402
+from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy  # noqa: E402
+
+log = logging.getLogger("arith.prepare")
+
+# Task and model sizes of the demo (see the report in the docstring of ``prepare``).
+MODEL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+             max_position_embeddings=64)
+TASK = dict(min_operand=0, max_operand=99, ops="+")
+WARMUP = dict(lr=3e-3, batch_size=64)
+
+
+def _has_model(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "model.safetensors"))
+
+
+def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 600, n_train: int = 4000, n_eval: int = 500) -> dict:
+    """Build everything the arith demo needs under ``out_dir``; returns
+    ``{"model_dir", "train_path", "eval_path", "base_dir"}`` (model_dir is the warmed-up model)."""
+    out = Path(out_dir)
+    base_dir, sft_dir = str(out / "base"), str(out / "sft")
+    train_path, eval_path = str(out / "train.jsonl"), str(out / "eval.jsonl")
+    paths = {"model_dir": sft_dir, "train_path": train_path, "eval_path": eval_path, "base_dir": base_dir}
+
+    if not _has_model(base_dir):
+        tokenizer = build_char_tokenizer(base_dir, ARITH_ALPHABET)
+        build_tiny_qwen2(base_dir, tokenizer, seed=seed, **MODEL)
+    if not os.path.isfile(train_path):
+        write_dataset(train_path, n_train, seed, split="train", **TASK)
+    if not os.path.isfile(eval_path):
+        write_dataset(eval_path, n_eval, seed, split="eval", **TASK)
+    if _has_model(sft_dir):
+        return paths
+
+    torch.manual_seed(seed)
+    model, tokenizer = load_policy(base_dir)
+    start = time.perf_counter()
+    losses = supervised_warmup(model, tokenizer, read_rows(train_path), steps=warmup_steps, seed=seed, **WARMUP)
+    seconds = time.perf_counter() - start
+    model.eval()
+    accuracy = greedy_accuracy(model, tokenizer, read_rows(eval_path), max_new_tokens=6)
+    os.makedirs(sft_dir, exist_ok=True)
+    model.save_pretrained(sft_dir)
+    tokenizer.save_pretrained(sft_dir)
+    report = {"steps": warmup_steps, "seconds": round(seconds, 2), "eval_greedy_accuracy": accuracy,
+              "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "losses": losses, **WARMUP}
+    with open(os.path.join(sft_dir, "warmup.json"), "w") as f:
+        json.dump(report, f)
+    log.info("warm-up: %d steps in %.1f s, held-out greedy accuracy %.3f", warmup_steps, seconds, accuracy)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=600)
+    parser.add_argument("--n-train", type=int, default=4000)
+    parser.add_argument("--n-eval", type=int, default=500)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    paths = prepare(args.out_dir, args.seed, args.warmup_steps, args.n_train, args.n_eval)
+    print(json.dumps(paths, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""On-policy distillation: a teacher log-prob service and the client the TeacherFetcher stage uses."""
