@@ -19,4 +19,5 @@ class SinksConfig(Section):
     parquet: str = ""  # directory for rolling Parquet trajectory files; "" = off
     parquet_rows_per_file: int = 4096  # records per Parquet file before the sink rolls to a new one
     zmq_pub: str = ""  # ZeroMQ PUB address for trajectory records (tcp port + rank); "" = off
+    background: bool = True  # encode and write records on a writer thread (overlaps the next step)
     zmq_hwm: int = 10000  # PUB send high-water mark: records queued per subscriber before dropping

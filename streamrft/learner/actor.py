@@ -21,8 +21,15 @@ from streamrft.algorithms.filters import high_entropy_token_mask
 from streamrft.learner.microbatch import SequenceSample, make_microbatches
 from streamrft.runtime.feed import TrainSample
 
-# Per-token metrics of the policy loss that are averaged over the global batch's response tokens.
-_TOKEN_METRICS = ("clipped", "ratio", "tis_clipped", "tis_weight")
+# Per-token metrics of the policy loss, averaged over the global batch's response tokens, and the
+# names they are reported under (the same names in steps.jsonl, Prometheus, TensorBoard).
+_TOKEN_METRICS = {
+    "clipped": "clip_fraction",
+    "dual_clipped": "dual_clip_fraction",
+    "ratio": "ratio_mean",
+    "tis_clipped": "tis_clipped_fraction",
+    "tis_weight": "tis_weight_mean",
+}
 
 
 def _pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,11 +145,9 @@ class ActorUpdate:
             "entropy": reduced.pop("entropy_sum", 0.0) / max(n_tokens * updates, 1.0),
             "tokens_kept_fraction": reduced.pop("kept_sum", 0.0) / max(n_tokens * updates, 1.0),
         }
-        for name in _TOKEN_METRICS:
+        for name, reported in _TOKEN_METRICS.items():
             if f"{name}_sum" in reduced:
-                out[f"{name}_mean" if name in ("ratio", "tis_weight") else f"{name}_fraction"] = reduced.pop(f"{name}_sum") / max(n_tokens * updates, 1.0)
-        if "ratio_max" in reduced:
-            out["ratio_max"] = reduced.pop("ratio_max")
+                out[reported] = reduced.pop(f"{name}_sum") / max(n_tokens * updates, 1.0)
         out.update({k: float(v) for k, v in step_stats.items()})
         out["train_tokens"] = n_tokens
         out["train_sequences"] = n_seqs

@@ -121,10 +121,6 @@ class RewardFunction:
             return await self._score_batched(items)
         return list(await asyncio.gather(*(self._score_one(item) for item in items)))
 
-    def score_sync(self, items: Sequence[RewardItem]) -> list[float | Exception]:
-        """Blocking form for callers without an event loop (the HTTP handler threads)."""
-        return asyncio.run(self.score(items))
-
     async def _score_one(self, item: RewardItem) -> float | Exception:
         kwargs: dict[str, Any] = {}
         if "prompt" in self._keywords:

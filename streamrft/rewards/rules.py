@@ -67,7 +67,9 @@ def arith(response: str, reference: str) -> float:
     try:
         expected = int(reference.strip())
     except ValueError:
-        raise ValueError(f"arith rule: reference {reference!r} is not an integer; fix the dataset's reference field") from None
+        raise ValueError(
+            f"arith rule: reference {reference!r} is not an integer; fix the dataset's reference field"
+        ) from None
     match = _INT_RE.search(response)
     return 1.0 if match is not None and int(match.group()) == expected else 0.0
 
@@ -124,7 +126,9 @@ def math_rule(response: str, reference: str) -> float:
     as_latex = reference if "$" in reference or "\\boxed" in reference else f"${reference}$"
     gold = parse(as_latex, **parse_kw) or parse(reference, **parse_kw)
     if not gold:
-        raise ValueError(f"math rule: math-verify cannot parse reference {reference!r}; fix the dataset's reference field")
+        raise ValueError(
+            f"math rule: math-verify cannot parse reference {reference!r}; fix the dataset's reference field"
+        )
     if not predicted:
         return 0.0
     return 1.0 if verify(gold, predicted, timeout_seconds=verify_timeout) else 0.0

@@ -37,7 +37,9 @@ def validate_reward(cfg) -> None:
     for i, src in enumerate(r.sources):
         where = f"reward.sources[{i}] ({src.name!r})"
         if not src.name or not src.name.replace("_", "").replace("-", "").replace(".", "").isalnum():
-            raise ConfigError(f"reward.sources[{i}].name={src.name!r} must be a non-empty name of letters, digits, _ - .")
+            raise ConfigError(
+                f"reward.sources[{i}].name={src.name!r} must be a non-empty name of letters, digits, _ - ."
+            )
         if src.name in seen:
             raise ConfigError(f"{where}: name is used twice; component names must be unique (rename one)")
         seen.add(src.name)

@@ -280,8 +280,13 @@ class ChannelReceiver:
         """Move every arriving message into the inbox or the credit book, as soon as it arrives."""
         try:
             while True:
-                parts = await self._socket.recv_multipart(copy=False)
-                self._on_message(parts)
+                self._on_message(await self._socket.recv_multipart(copy=False))
+                # Drain what is already queued without a trip through the event loop per message.
+                for _ in range(self.capacity + 16):
+                    ready = self._socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    if isinstance(ready.exception(), zmq.Again):
+                        break
+                    self._on_message(ready.result())
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a broken socket: report it to every recv instead of hanging them
@@ -502,6 +507,8 @@ class ChannelSender:
 
     async def _until(self, future: asyncio.Future, deadline: float) -> Any:
         """The future's result; None if ``deadline`` (loop time) passes first; ChannelClosed if closed."""
+        if future.done() and not self._closed:  # the common case for a send: no wait at all
+            return future.result()
         loop = asyncio.get_running_loop()
         remaining = None if deadline == math.inf else max(0.0, deadline - loop.time())
         try:

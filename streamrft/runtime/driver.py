@@ -90,8 +90,10 @@ def _build_metrics(cfg, dist, accounting):
 
     metrics = PipelineMetrics(rank=dist.rank)
     accounting.metrics = metrics
-    exporter = start_exporter(metrics, cfg.metrics.host, cfg.metrics.port + dist.local_rank)
-    return metrics, exporter
+    server, port = start_exporter(metrics, cfg.metrics.host, cfg.metrics.port + dist.local_rank)
+    if dist.rank == 0:
+        print(f"streamrft: metrics on http://{cfg.metrics.host}:{port}/metrics (+ local rank on other ranks)", flush=True)
+    return metrics, server
 
 
 def _build_loggers(cfg, dist):
@@ -131,10 +133,16 @@ async def train_loop(run: Run) -> dict[str, float]:
         run.accounting.train(len(batch))
         run.accounting.check(step)
         await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake
-        stats.update(_reward_stats(batch, run.actor.all_reduce_sum))
+        stats.update(_reward_stats(batch, run.actor.all_reduce_sum, [src.name for src in cfg.reward.sources]))
         stats.update({f"phase/{k}_seconds": v for k, v in phase.timings.items()})
         stats["step_seconds"] = time.perf_counter() - step_started
-        stats["generated_tokens_per_s"] = run.pipeline.generator.generated_tokens / max(stats["step_seconds"], 1e-9)
+        generated = run.actor.all_reduce_sum(torch.tensor([float(run.pipeline.generator.generated_tokens)])).item()
+        stats["generated_tokens_per_s"] = generated / max(stats["step_seconds"], 1e-9)
+        stats["trained_tokens_per_s"] = stats.get("train_tokens", 0.0) / max(stats["step_seconds"], 1e-9)
+        if run.metrics is not None:
+            run.metrics.generated_tokens.inc(run.pipeline.generator.generated_tokens)
+            run.metrics.trained_tokens.inc(sum(len(s.response_ids) for s in batch))
+            run.metrics.policy_version.set(run.engine.policy_version)
         run.pipeline.generator.generated_tokens = 0
         _log_step(run, step, stats)
         _write_trajectories(run, step, batch)
@@ -155,12 +163,22 @@ async def _evaluate(run: Run) -> dict[str, float]:
     return await evaluate(run.eval_engine, run.strategy.tokenizer, run.eval_dataset, run.scorer, run.dist.rank, run.dist.world_size, all_reduce_sum, run.cfg.data.eval_size)
 
 
-def _reward_stats(batch, all_reduce_sum) -> dict[str, float]:
-    rewards = [s.header.reward for s in batch]
-    t = all_reduce_sum(torch.tensor([len(rewards), sum(rewards), sum(r * r for r in rewards)], dtype=torch.float64))
-    n = max(t[0].item(), 1.0)
-    mean = t[1].item() / n
-    return {"reward_mean": mean, "reward_std": math.sqrt(max(t[2].item() / n - mean * mean, 0.0))}
+def _reward_stats(batch, all_reduce_sum, components: list[str]) -> dict[str, float]:
+    """Mean and std of the trained samples' rewards over all ranks, in total and per component."""
+    columns = {"": [s.header.reward for s in batch]}
+    for name in components:
+        columns[f"/{name}"] = [s.header.reward_components.get(name, 0.0) for s in batch]
+    sums = []
+    for values in columns.values():
+        sums += [len(values), sum(values), sum(v * v for v in values)]
+    t = all_reduce_sum(torch.tensor(sums, dtype=torch.float64)).tolist()
+    out = {}
+    for i, suffix in enumerate(columns):
+        n, total, squares = t[3 * i : 3 * i + 3]
+        mean = total / max(n, 1.0)
+        out[f"reward_mean{suffix}"] = mean
+        out[f"reward_std{suffix}"] = math.sqrt(max(squares / max(n, 1.0) - mean * mean, 0.0))
+    return out
 
 
 def _announce(run: Run, text: str) -> None:

@@ -40,7 +40,7 @@ class PhaseController:
     def _set_state(self, state: str) -> None:
         self.state = state
         if self.metrics is not None:
-            self.metrics.phase_state.set(0 if state == ROLLOUT else 1)
+            self.metrics.set_phase(state)
 
     async def enter_rollout(self, version: int) -> None:
         assert self.state == TRAIN, self.state

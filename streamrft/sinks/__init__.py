@@ -1,5 +1,6 @@
 """Streaming trajectory sinks (JSONL, Parquet, ZeroMQ PUB) and offline trajectory analysis."""
 
+from streamrft.sinks.background import BackgroundSinks
 from streamrft.sinks.base import TrajectorySink, build_sinks
 from streamrft.sinks.jsonl import JsonlSink
 from streamrft.sinks.parquet import ParquetSink, trajectory_schema
@@ -8,6 +9,7 @@ from streamrft.sinks.zmq_pub import TrajectorySubscriber, ZmqPubSink, rank_addre
 __all__ = [
     "TrajectorySink",
     "build_sinks",
+    "BackgroundSinks",
     "JsonlSink",
     "ParquetSink",
     "trajectory_schema",

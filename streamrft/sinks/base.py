@@ -25,7 +25,9 @@ class TrajectorySink(Protocol):
 
 
 def build_sinks(sinks_cfg: SinksConfig, run_id: str, rank: int) -> list[TrajectorySink]:
-    """The sinks ``sinks_cfg`` turns on for this rank (every rank writes its own records)."""
+    """The sinks ``sinks_cfg`` turns on for this rank (every rank writes its own records); with
+    ``sinks.background`` they come wrapped in one :class:`BackgroundSinks` (a writer thread)."""
+    from streamrft.sinks.background import BackgroundSinks
     from streamrft.sinks.jsonl import JsonlSink
     from streamrft.sinks.parquet import ParquetSink
     from streamrft.sinks.zmq_pub import ZmqPubSink, rank_address
@@ -44,4 +46,6 @@ def build_sinks(sinks_cfg: SinksConfig, run_id: str, rank: int) -> list[Trajecto
         )
     if sinks_cfg.zmq_pub:
         sinks.append(ZmqPubSink(rank_address(sinks_cfg.zmq_pub, rank), hwm=sinks_cfg.zmq_hwm))
+    if sinks_cfg.background and sinks:
+        return [BackgroundSinks(sinks)]
     return sinks

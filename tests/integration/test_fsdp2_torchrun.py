@@ -1,5 +1,6 @@
 """FSDP2 under a real torchrun (gloo): 2 ranks equal 1 rank, ragged rollout forwards, collective timeouts."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
+from streamrft.runtime.distributed import destroy_distributed
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,6 +27,19 @@ def _torchrun(nproc, model_dir, out_dir):
     return time.monotonic() - start
 
 
+def _in_process(model_dir, out_dir):
+    """World size 1 runs the same worker code in this process (a one-rank group; saves a torchrun start)."""
+    spec = importlib.util.spec_from_file_location("fsdp2_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    start = time.monotonic()
+    try:
+        worker.main(model_dir, out_dir)
+    finally:
+        destroy_distributed()
+    return time.monotonic() - start
+
+
 @pytest.mark.slow
 def test_two_ranks_match_one_rank_and_ragged_rollouts_and_skipped_barriers_behave(tmp_path):
     model_dir = str(tmp_path / "model")
@@ -32,7 +47,7 @@ def test_two_ranks_match_one_rank_and_ragged_rollouts_and_skipped_barriers_behav
     build_tiny_qwen2(model_dir, tok, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      intermediate_size=64, max_position_embeddings=64)
     out = str(tmp_path)
-    seconds = {n: _torchrun(n, model_dir, out) for n in (1, 2)}
+    seconds = {"world1_in_process": _in_process(model_dir, out), "world2_torchrun": _torchrun(2, model_dir, out)}
     print(f"torchrun wall time: {seconds}")
 
     r1 = json.load(open(os.path.join(out, "result_world1.json")))

@@ -61,7 +61,9 @@ def test_gsm8k_rule_grades_every_answer_of_the_fixture():
     _assert_gsm8k_rule_grades_split(_gsm8k_rows(FIXTURE))
 
 
-@pytest.mark.skipif(not SHARED_TEST_SPLIT.exists(), reason="the full GSM8K test split is not at /work/shared/data/gsm8k")
+@pytest.mark.skipif(
+    not SHARED_TEST_SPLIT.exists(), reason="the full GSM8K test split is not at /work/shared/data/gsm8k"
+)
 def test_gsm8k_rule_grades_every_answer_of_the_full_test_split():
     rows = _gsm8k_rows(SHARED_TEST_SPLIT)
     assert len(rows) == 1319

@@ -137,3 +137,10 @@ def test_building_a_missing_custom_function_names_the_source():
     cfg = RewardConfig(sources=[RewardSourceConfig(name="mine", type="custom", fn="no_such_mod_q:f")])
     with pytest.raises(ConfigError, match="'mine'.*no_such_mod_q"):
         build_reward_scorer(cfg)
+
+
+def test_the_math_rule_works_inside_the_scorer_worker_threads():
+    # math-verify's own timeout uses signal.alarm, which fails off the main thread; the rule must cope.
+    cfg = RewardConfig(sources=[RewardSourceConfig(name="m", type="rule", fn="math")])
+    out = run_scorer(cfg, [item("a", "\\boxed{\\frac{1}{2}}", "0.5"), item("b", "\\boxed{1}", "0.5")])
+    assert [(o.reward, o.error) for o in out] == [(1.0, ""), (0.0, "")]

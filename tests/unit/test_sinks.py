@@ -24,7 +24,7 @@ from streamrft.sinks.synthetic import synthetic_records
 
 
 def sinks_cfg(**overrides):
-    base = dict(jsonl="", parquet="", parquet_rows_per_file=4096, zmq_pub="", zmq_hwm=1000)
+    base = dict(jsonl="", parquet="", parquet_rows_per_file=4096, zmq_pub="", zmq_hwm=1000, background=False)
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -108,6 +108,9 @@ def test_build_sinks_builds_what_the_config_turns_on_for_each_rank(tmp_path):
         s.close()
     assert (tmp_path / "j" / "r-rank1.jsonl").exists()
     assert (tmp_path / "p" / "r-rank1-00000.parquet").exists()
+    wrapped = build_sinks(sinks_cfg(jsonl=str(tmp_path / "b"), background=True), run_id="r", rank=0)
+    assert len(wrapped) == 1 and [type(s) for s in wrapped[0].sinks] == [JsonlSink]
+    wrapped[0].close()
     with pytest.raises(ValueError, match="sinks.parquet_rows_per_file"):
         build_sinks(sinks_cfg(parquet=str(tmp_path), parquet_rows_per_file=0), run_id="r", rank=0)
 
@@ -131,3 +134,39 @@ def test_a_slow_zmq_subscriber_never_blocks_the_writer():
     finally:
         subscriber.close()
         sink.close()
+
+
+def test_background_sinks_hand_every_record_to_the_sinks_and_close_drains(tmp_path):
+    from streamrft.sinks.background import BackgroundSinks
+
+    records = synthetic_records(50)
+    background = BackgroundSinks([JsonlSink(tmp_path, "r", 0), ParquetSink(tmp_path, 1000, "r", 0)])
+    for r in records:
+        background.write(r)
+    background.flush()
+    background.close()
+    assert list(read_trajectories(tmp_path / "r-rank0.jsonl")) == records
+    assert list(read_trajectories(tmp_path / "r-rank0-00000.parquet")) == records
+
+
+def test_a_failing_background_sink_is_reported_on_the_next_call_with_its_name(tmp_path):
+    from streamrft.sinks.background import BackgroundSinks
+
+    class Broken:
+        def write(self, record):
+            raise OSError("disk full")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    background = BackgroundSinks([Broken()])
+    background.write(synthetic_records(1)[0])
+    with pytest.raises(RuntimeError, match="Broken failed.*disk full"):
+        background.drain()
+    with pytest.raises(RuntimeError, match="disk full"):
+        background.write(synthetic_records(1)[0])
+    with pytest.raises(RuntimeError):
+        background.close()

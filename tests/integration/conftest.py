@@ -1,0 +1,46 @@
+"""Shared fixtures for integration tests: a prepared tiny arith setup (model, data) per session."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def arith_dir(tmp_path_factory) -> Path:
+    """A tiny warmed-up arith policy and its datasets, built locally (no hub), shared by the session."""
+    sys.path.insert(0, str(REPO / "pipelines" / "arith"))
+    try:
+        from prepare import prepare
+    finally:
+        sys.path.pop(0)
+    out = tmp_path_factory.mktemp("arith")
+    prepare(str(out), seed=0, warmup_steps=150, n_train=600, n_eval=64)
+    return out
+
+
+def arith_overrides(arith_dir: Path, output_dir: Path, *extra: str) -> list[str]:
+    """Small, fast settings for tests (a step takes well under a second on one core)."""
+    return [
+        f"model.path={arith_dir / 'sft'}",
+        f"data.train_path={arith_dir / 'train.jsonl'}",
+        f"data.eval_path={arith_dir / 'eval.jsonl'}",
+        "data.eval_size=32",
+        f"output_dir={output_dir}",
+        "rollout.prompts_per_step=8",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.stage_timeout_s=60",
+        "train.max_steps=1",
+        *extra,
+    ]

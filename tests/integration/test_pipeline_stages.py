@@ -1,0 +1,133 @@
+"""The streaming pipeline inside one rank: streaming, phase switches, accounting, failed samples."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from streamrft.config import load_config, validate_config
+from streamrft.runtime.stage import StageError
+from tests.integration.conftest import REPO, arith_overrides
+
+pytestmark = pytest.mark.slow
+CONFIG = REPO / "pipelines" / "arith" / "config.yaml"
+
+SCORE_TIMES: list[float] = []
+
+
+def recording_reward(response: str, reference: str) -> float:
+    """Custom reward that records when each sample was scored (wall clock, perf_counter)."""
+    SCORE_TIMES.append(time.perf_counter())
+    time.sleep(0.01)
+    return float(response.strip().split(" ")[0] == reference) if response.strip() else 0.0
+
+
+def flaky_reward(response: str, reference: str) -> float:
+    """Raises for every sample whose answer starts with 1: those samples must fail, counted."""
+    if response.strip().startswith("1"):
+        raise ValueError("refusing answers that start with 1")
+    return 1.0 if response.strip() == reference else 0.0
+
+
+class RecordingEngine:
+    """Wraps the real engine and records when each sample's generation ended (it is yielded)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.yield_times: list[float] = []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def generate(self, requests):
+        async for out in self.engine.generate(requests):
+            self.yield_times.append(time.perf_counter())
+            yield out
+
+
+def build(arith_dir, out, *extra):
+    from streamrft.runtime.distributed import init_distributed
+    from streamrft.runtime.driver import build_run
+
+    cfg = load_config(CONFIG, arith_overrides(arith_dir, out, *extra))
+    dist = init_distributed()
+    validate_config(cfg, dist.world_size)
+    return build_run(cfg, dist)
+
+
+def test_first_sample_is_scored_before_the_last_generation_of_the_step_ends(arith_dir, tmp_path):
+    from streamrft.runtime.driver import _shutdown, train_loop
+
+    run = build(arith_dir, tmp_path, "reward.sources=[{name: exact, type: custom, fn: tests.integration.test_pipeline_stages:recording_reward}]",
+                "engine.max_batch_size=4", "data.eval_path=")
+    recorder = RecordingEngine(run.engine)
+    run.pipeline.generator.engine = recorder
+    SCORE_TIMES.clear()
+
+    async def go():
+        try:
+            return await train_loop(run)
+        finally:
+            await _shutdown(run)
+
+    asyncio.run(go())
+    assert len(recorder.yield_times) == 32 and len(SCORE_TIMES) == 32
+    assert min(SCORE_TIMES) < max(recorder.yield_times), "scoring waited for the whole step's generation"
+
+
+def test_phase_switches_follow_the_colocated_sequence(arith_dir, tmp_path):
+    from streamrft.runtime.driver import _shutdown, train_loop
+
+    run = build(arith_dir, tmp_path, "train.max_steps=2", "data.eval_path=")
+
+    async def go():
+        try:
+            return await train_loop(run)
+        finally:
+            await _shutdown(run)
+
+    asyncio.run(go())
+    to_rollout = ["offload", "weight_push", "unshard", "wake"]
+    to_train = ["decide", "sleep", "reshard", "reload"]
+    assert run.phase.events == to_rollout + (to_train + to_rollout) * 2
+    assert run.engine.policy_version == 2
+    for part in ("sleep", "wake", "weight_push", "rollout_to_train", "train_to_rollout"):
+        assert run.phase.timings[part] >= 0.0
+
+
+def test_a_reward_function_that_raises_fails_those_samples_and_the_run_goes_on(arith_dir, tmp_path):
+    from streamrft.runtime.driver import _shutdown, train_loop
+
+    run = build(arith_dir, tmp_path, "train.max_steps=2", "data.eval_path=",
+                "reward.sources=[{name: exact, type: custom, fn: tests.integration.test_pipeline_stages:flaky_reward}]")
+
+    async def go():
+        try:
+            return await train_loop(run)
+        finally:
+            await _shutdown(run)
+
+    summary = asyncio.run(go())
+    acct = run.accounting
+    assert acct.admitted == 2 * 32
+    assert sum(acct.failed.values()) > 0, "the flaky reward never raised: pick another rule"
+    assert acct.admitted == acct.trained + sum(acct.filtered.values()) + sum(acct.failed.values())
+    assert summary["samples_trained"] == acct.trained
+
+
+def test_fail_fast_stops_the_run_naming_the_sample(arith_dir, tmp_path):
+    from streamrft.runtime.driver import _shutdown, train_loop
+
+    run = build(arith_dir, tmp_path, "fail_fast=true", "data.eval_path=",
+                "reward.sources=[{name: exact, type: custom, fn: tests.integration.test_pipeline_stages:flaky_reward}]")
+
+    async def go():
+        try:
+            return await train_loop(run)
+        finally:
+            await _shutdown(run)
+
+    with pytest.raises(StageError, match=r"stage reward on rank 0: sample s0-p\d+-\d+ failed: .*fail_fast"):
+        asyncio.run(go())

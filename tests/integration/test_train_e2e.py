@@ -1,0 +1,91 @@
+"""End-to-end training runs on the embedded default: real model, real channels, real torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from streamrft.config import load_config
+from tests.integration.conftest import REPO, arith_overrides, free_port
+
+pytestmark = pytest.mark.slow
+CONFIG = REPO / "pipelines" / "arith" / "config.yaml"
+
+
+def steps_of(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "steps.jsonl").read_text().splitlines()]
+
+
+def run_in_process(arith_dir, out, *extra):
+    from streamrft.runtime.driver import train
+
+    return train(load_config(CONFIG, arith_overrides(arith_dir, out, *extra)))
+
+
+def env_one_thread() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+@pytest.mark.parametrize("transport", ["inproc", "ipc", "tcp"])
+def test_first_step_has_importance_ratio_one_and_zero_kl(arith_dir, tmp_path, transport):
+    summary = run_in_process(arith_dir, tmp_path, "algorithm.kl_coef=0.05", f"rollout.channel_transport={transport}")
+    (first,) = steps_of(tmp_path)
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(first["kl"]) <= 1e-6
+    assert summary["samples_admitted"] == summary["samples_trained"] == 8 * 4
+
+
+def test_first_step_ratio_is_exactly_one_when_old_logprobs_are_recomputed(arith_dir, tmp_path):
+    run_in_process(arith_dir, tmp_path, "train.ppo_epochs=2", "algorithm.kl_coef=0.05")
+    (first,) = steps_of(tmp_path)
+    # ppo_epochs=2: the learner recomputes old log-probs; the first pass sees ratio 1 exactly, so the
+    # clipped fraction over both passes is at most half of the tokens and KL starts at 0.
+    assert first["clip_fraction"] <= 0.5
+    assert first["kl"] >= 0.0
+
+
+def test_two_ranks_give_the_same_first_step_loss_as_one_rank(arith_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    overrides = arith_overrides(arith_dir, one)
+    subprocess.run([sys.executable, "-m", "streamrft.cli", "train", str(CONFIG), *overrides], check=True, env=env_one_thread(), timeout=300, cwd=REPO)
+    env = dict(env_one_thread(), NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    overrides = arith_overrides(arith_dir, two)
+    proc = subprocess.run([str(REPO / "launch" / "colocate.sh"), str(CONFIG), *overrides], env=env, timeout=300, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (a,), (b,) = steps_of(one), steps_of(two)
+    assert b["train_sequences"] == a["train_sequences"] == 32
+    assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-9)
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-6)
+
+
+def test_sigterm_stops_training_cleanly_with_a_message(arith_dir, tmp_path):
+    overrides = arith_overrides(arith_dir, tmp_path, "train.max_steps=1000")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamrft.cli", "train", str(CONFIG), *overrides],
+        env=env_one_thread(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if line.startswith("step 1/"):
+                break
+            assert time.monotonic() < deadline, "no training step within 120 s"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130
+    assert "stopped by SIGTERM on rank 0; sockets closed" in out
