@@ -105,9 +105,11 @@ def main() -> int:
     base, inst = statistics.median(plain), statistics.median(instrumented)
     overhead = inst / base - 1
     print(f"step (plain)        median {base * 1e3:8.1f} ms over {args.steps} steps")
+    where = "inline" if args.inline_sinks else "on a writer thread"
     print(f"step (instrumented) median {inst * 1e3:8.1f} ms ({args.records} records x {args.response_len} tokens "
-          f"to jsonl+parquet+zmq{' inline' if args.inline_sinks else ' on a writer thread'}, scrape every {args.scrape_interval:g}s)")
-    print(f"overhead ratio {inst / base:.4f} ({overhead:+.2%}); target <= +3% -> {'OK' if overhead <= 0.03 else 'OVER'}")
+          f"to jsonl+parquet+zmq {where}, scrape every {args.scrape_interval:g}s)")
+    verdict = "OK" if overhead <= 0.03 else "OVER"
+    print(f"overhead ratio {inst / base:.4f} ({overhead:+.2%}); target <= +3% -> {verdict}")
     return 0
 
 

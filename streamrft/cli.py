@@ -52,16 +52,9 @@ def _serve_teacher(argv: list[str]) -> int:
 
 
 def _trajectories(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("analyze", "render"):
-        print("usage: streamrft trajectories {analyze,render} PATH [...]", file=sys.stderr)
-        return 2
-    if argv[0] == "analyze":
-        from streamrft.sinks.analyze import analyze_main
+    from streamrft.sinks.cli import trajectories_main
 
-        return analyze_main(argv[1:])
-    from streamrft.sinks.render import render_main
-
-    return render_main(argv[1:])
+    return trajectories_main(argv)
 
 
 def _schema(_args: argparse.Namespace) -> int:

@@ -39,9 +39,14 @@ def _has_model(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "model.safetensors"))
 
 
-def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 600, n_train: int = 4000, n_eval: int = 500) -> dict:
+def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 700, n_train: int = 4000, n_eval: int = 500) -> dict:
     """Build everything the arith demo needs under ``out_dir``; returns
-    ``{"model_dir", "train_path", "eval_path", "base_dir"}`` (model_dir is the warmed-up model)."""
+    ``{"model_dir", "train_path", "eval_path", "base_dir"}`` (model_dir is the warmed-up model).
+
+    Measured (2-digit addition, 1 CPU thread, shared machine): held-out greedy accuracy after 600 / 700 /
+    800 warm-up steps is 12% / 29% / 49% for seed 0 (54% / 64% at 700 / 800 for seed 1), ~13-20 s. The
+    curve is steep, so 700 steps leaves the model just below where it learns the task: room for RL.
+    """
     out = Path(out_dir)
     base_dir, sft_dir = str(out / "base"), str(out / "sft")
     train_path, eval_path = str(out / "train.jsonl"), str(out / "eval.jsonl")
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-steps", type=int, default=600)
+    parser.add_argument("--warmup-steps", type=int, default=700)
     parser.add_argument("--n-train", type=int, default=4000)
     parser.add_argument("--n-eval", type=int, default=500)
     args = parser.parse_args(argv)

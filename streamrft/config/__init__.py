@@ -77,6 +77,16 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def _number_or_text(value: Any) -> Any:
+    """YAML 1.1 reads ``1e-3`` as text; a number written that way is meant as a number."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` overrides in place; values are parsed as YAML scalars/lists."""
     for item in overrides:
@@ -93,9 +103,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(f"override {key}: {part} is a value, not a section")
             node = child
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+            value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
-            node[parts[-1]] = raw
+            value = raw
+        node[parts[-1]] = _number_or_text(value)
     return data
 
 

@@ -18,7 +18,8 @@ from streamrft.algorithms import (
     aggregate_loss,
 )
 from streamrft.algorithms.filters import high_entropy_token_mask
-from streamrft.learner.microbatch import SequenceSample, make_microbatches
+from streamrft.learner.microbatch import SequenceSample, make_microbatches, padding_microbatch
+from streamrft.runtime.distributed import all_reduce_max
 from streamrft.runtime.feed import TrainSample
 
 # Per-token metrics of the policy loss, averaged over the global batch's response tokens, and the
@@ -47,7 +48,8 @@ def _rows_from_microbatches(mbs, key: str, n: int) -> list[torch.Tensor]:
     rows: list[torch.Tensor | None] = [None] * n
     for mb in mbs:
         for i, idx in enumerate(mb["sample_index"].tolist()):
-            rows[idx] = mb[key][i][mb["response_mask"][i].bool()].float()
+            if idx >= 0:  # -1 marks a padding microbatch
+                rows[idx] = mb[key][i][mb["response_mask"][i].bool()].float()
     return rows  # type: ignore[return-value]
 
 
@@ -55,7 +57,8 @@ def _scatter_rows(mbs, key: str, rows: list[torch.Tensor]) -> None:
     for mb in mbs:
         field = torch.zeros_like(mb["response_mask"], dtype=torch.float32)
         for i, idx in enumerate(mb["sample_index"].tolist()):
-            field[i][mb["response_mask"][i].bool()] = rows[idx]
+            if idx >= 0:
+                field[i][mb["response_mask"][i].bool()] = rows[idx]
         mb[key] = field
 
 
@@ -82,7 +85,13 @@ class ActorUpdate:
             if s.teacher_logprobs is not None:
                 tensors["teacher_logprobs"] = s.teacher_logprobs
             seqs.append(SequenceSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, tensors=tensors))
-        return make_microbatches(seqs, self.cfg.train.micro_batch_tokens)
+        mbs = make_microbatches(seqs, self.cfg.train.micro_batch_tokens) if seqs else []
+        # Every rank must run the same number of forwards (FSDP all-gathers inside each one):
+        # ranks with fewer microbatches add empty ones (no response tokens, loss 0).
+        n_max = int(all_reduce_max(torch.tensor([len(mbs)]), stage="count_microbatches").item())
+        fields = ["behaviour_logprobs", "advantages"] + (["teacher_logprobs"] if self.cfg.teacher.type != "none" else [])
+        mbs += [padding_microbatch(fields) for _ in range(n_max - len(mbs))]
+        return mbs
 
     def _batch_advantages(self, batch: list[TrainSample], mbs) -> None:
         """Batch-scope estimators (reinforce++, reinforce, ...) over the whole local batch, with
@@ -129,7 +138,7 @@ class ActorUpdate:
         for _epoch in range(self.cfg.train.ppo_epochs):
             for mini in _split(mbs, self.cfg.train.mini_batches_per_step):
                 mini_tokens = self._global(sum(float(mb["response_mask"].sum()) for mb in mini))
-                mini_seqs = self._global(sum(len(mb["sample_index"]) for mb in mini))
+                mini_seqs = self._global(sum(int((mb["sample_index"] >= 0).sum()) for mb in mini))
                 for mb in mini:
                     stats = self.strategy.forward_backward(
                         mb, self._loss_fn(mini_tokens, mini_seqs), self.temperature, with_entropy=True

@@ -113,7 +113,11 @@ class FSDP2Strategy:
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
         _apply_freeze_prefix(model, model_cfg.freeze_prefix)
         if model_cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         model.train()  # HF gradient checkpointing is active only in train mode
         self.module = shard_model(model, dist, self.compute_dtype).to(self.device)
@@ -161,7 +165,10 @@ class FSDP2Strategy:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def step(self) -> dict[str, float]:
-        """Clip to train.grad_clip by the global grad norm, AdamW step, LR schedule step, zero grads."""
+        """Clip to train.grad_clip by the global grad norm, AdamW step, LR schedule step, zero grads.
+
+        A non-finite grad norm skips the AdamW update (the schedule still advances); the caller sees it
+        in the returned grad_norm and decides whether to stop."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = self.grad_norm()
         if self.train_cfg.grad_clip > 0 and params:

@@ -222,7 +222,8 @@ class ChannelReceiver:
         deadline = None if timeout is None else loop.time() + timeout
         while not self._inbox:
             if self._pump_error is not None:
-                raise ChannelError(f"{self._where()}: the receive pump failed: {self._pump_error!r}") from self._pump_error
+                error = self._pump_error
+                raise ChannelError(f"{self._where()}: the receive pump failed: {error!r}") from error
             waiter = loop.create_future()
             self._waiters.append(waiter)
             try:
@@ -414,7 +415,9 @@ class ChannelSender:
         """
         self._check_open("send")
         if not isinstance(header, protocols.Message):
-            raise ChannelUsageError(f"{self._where()}: header is a {type(header).__name__}, expected a protocols.Message")
+            raise ChannelUsageError(
+                f"{self._where()}: header is a {type(header).__name__}, expected a protocols.Message"
+            )
         specs, buffers = tensors_to_frames(tensors)
         if "tensors" in header.__struct_fields__:
             header = msgspec.structs.replace(header, tensors=specs)
@@ -461,7 +464,11 @@ class ChannelSender:
             self._closed_signal = loop.create_future()
         deadline = math.inf if timeout is None else loop.time() + timeout
         try:
-            await asyncio.wait_for(self._lock.acquire(), None if timeout is None else max(0.0, deadline - loop.time()))
+            if self._lock.locked():  # another send of this sender is waiting for a credit
+                remaining = None if timeout is None else max(0.0, deadline - loop.time())
+                await asyncio.wait_for(self._lock.acquire(), remaining)
+            else:
+                await self._lock.acquire()  # free: no wait_for task to pay for
         except asyncio.TimeoutError:
             raise ChannelTimeout(
                 f"{self._where()}: send waited {timeout}s for a credit behind earlier sends on this sender; "

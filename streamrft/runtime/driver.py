@@ -215,6 +215,9 @@ def _write_trajectories(run: Run, step: int, batch) -> None:
 
 async def _shutdown(run: Run) -> None:
     await run.pipeline.stop()
+    await run.scorer.close()
+    if run.pipeline.teacher is not None:
+        await run.pipeline.teacher.close()
     for sink in run.sinks:
         sink.close()
     for logger in run.loggers:

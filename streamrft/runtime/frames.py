@@ -87,7 +87,9 @@ def frames_to_tensors(specs: Sequence[TensorSpec], buffers: Sequence[memoryview]
     for spec, buffer in zip(specs, buffers):
         dtype = DTYPES_BY_NAME.get(spec.dtype)
         if dtype is None:
-            raise ProtocolError(f"tensor {spec.name!r} has unknown dtype {spec.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}")
+            raise ProtocolError(
+                f"tensor {spec.name!r} has unknown dtype {spec.dtype!r}; expected one of {sorted(DTYPES_BY_NAME)}"
+            )
         if spec.name in tensors:
             raise ProtocolError(f"tensor name {spec.name!r} appears twice in the header")
         if any(dim < 0 for dim in spec.shape):

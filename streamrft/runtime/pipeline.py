@@ -23,36 +23,43 @@ from streamrft.runtime.stage import StageContext, StageError
 
 class Pipeline:
     def __init__(self, cfg, ctx: StageContext, world_size: int, engine, tokenizer, dataset, scorer, teacher=None, run_id: str | None = None, policy_version_fn=lambda: 0):
-        self.cfg, self.ctx = cfg, ctx
+        self.cfg, self.ctx, self.world_size = cfg, ctx, world_size
+        self.engine, self.tokenizer, self.dataset, self.scorer, self.teacher = engine, tokenizer, dataset, scorer, teacher
+        self.policy_version_fn = policy_version_fn
         self.run_id = run_id or uuid.uuid4().hex[:8]
-        transport, cap, rank = cfg.rollout.channel_transport, cfg.rollout.channel_capacity, ctx.rank
         self._sockets: list = []
-
-        def link(name: str, message_type) -> tuple[ChannelReceiver, ChannelSender]:
-            receiver = ChannelReceiver(channel_address(transport, name, rank, self.run_id), cap, name=name, rank=rank, message_type=message_type)
-            sender = ChannelSender(receiver.address, name=name, rank=rank)
-            self._sockets += [sender, receiver]
-            return receiver, sender
-
-        reward_in, to_reward = link("reward", Completion | Control)
-        teacher_in, to_teacher = link("teacher", ScoredSample | Control)
-        advantage_in, to_advantage = link("advantage", ScoredSample | Control)
-        feed_in, to_feed = link("learner_feed", ScoredSample | Control)
-        feedback_in, to_generator = link("generator_feedback", Control)
-
-        self.generator = Generator(ctx, feedback_in, to_reward, engine, tokenizer, dataset, cfg, world_size)
-        self.stages = [
-            RewardScorerStage(ctx, reward_in, to_teacher, scorer, cfg.reward.max_concurrency),
-            TeacherFetcherStage(ctx, teacher_in, to_advantage, teacher, cfg.reward.max_concurrency),
-            AdvantageStage(ctx, advantage_in, to_feed, to_generator, cfg),
-        ]
-        self.feed = LearnerFeed(ctx, feed_in, cfg.rollout.max_staleness, policy_version_fn)
-        self.stages.append(self.feed)
+        self.stages: list = []
+        self.generator: Generator | None = None
+        self.feed: LearnerFeed | None = None
         self.tasks: dict[asyncio.Task, str] = {}
 
+    def _link(self, name: str, message_type) -> tuple[ChannelReceiver, ChannelSender]:
+        cfg, rank = self.cfg.rollout, self.ctx.rank
+        address = channel_address(cfg.channel_transport, name, rank, self.run_id)
+        receiver = ChannelReceiver(address, cfg.channel_capacity, name=name, rank=rank, message_type=message_type)
+        sender = ChannelSender(receiver.address, name=name, rank=rank)
+        self._sockets += [sender, receiver]
+        return receiver, sender
+
     async def start(self) -> None:
+        """Create channels and stage tasks. Runs inside the event loop: receivers answer credit
+        handshakes from the loop they were created in."""
+        cfg, ctx = self.cfg, self.ctx
+        reward_in, to_reward = self._link("reward", Completion | Control)
+        teacher_in, to_teacher = self._link("teacher", ScoredSample | Control)
+        advantage_in, to_advantage = self._link("advantage", ScoredSample | Control)
+        feed_in, to_feed = self._link("learner_feed", ScoredSample | Control)
+        feedback_in, to_generator = self._link("generator_feedback", Control)
+        self.generator = Generator(ctx, feedback_in, to_reward, self.engine, self.tokenizer, self.dataset, cfg, self.world_size)
+        self.feed = LearnerFeed(ctx, feed_in, cfg.rollout.max_staleness, self.policy_version_fn)
+        self.stages = [
+            RewardScorerStage(ctx, reward_in, to_teacher, self.scorer, cfg.reward.max_concurrency),
+            TeacherFetcherStage(ctx, teacher_in, to_advantage, self.teacher, cfg.reward.max_concurrency),
+            AdvantageStage(ctx, advantage_in, to_feed, to_generator, cfg),
+            self.feed,
+        ]
         for stage in self.stages:
-            task = asyncio.create_task(stage.run(), name=f"{stage.name}-rank{self.ctx.rank}")
+            task = asyncio.create_task(stage.run(), name=f"{stage.name}-rank{ctx.rank}")
             self.tasks[task] = stage.name
 
     def _check_stages(self) -> None:

@@ -25,11 +25,14 @@ def synthetic_records(
         records.append(
             TrajectoryRecord(
                 run_id=run_id, rank=rank, step=step, policy_version=step,
-                sample_id=f"s{step}-p{i // 4}-{i % 4}", group_id=f"s{step}-p{i // 4}", prompt=f"What is {i} + {i}?", response=text,
+                sample_id=f"s{step}-p{i // 4}-{i % 4}", group_id=f"s{step}-p{i // 4}",
+                prompt=f"What is {i} + {i}?", response=text,
                 prompt_ids=[ord(c) for c in f"What is {i} + {i}?"], response_ids=[ord(c) for c in text],
-                behaviour_logprobs=[_f32(-rng.random()) for _ in text], policy_logprobs=[_f32(-rng.random()) for _ in text],
+                behaviour_logprobs=[_f32(-rng.random()) for _ in text],
+                policy_logprobs=[_f32(-rng.random()) for _ in text],
                 entropy=[_f32(3.0 * rng.random()) for _ in text], reward=float(i % 2),
-                reward_components={"correct": float(i % 2), "format": 1.0}, advantage=0.5 if i % 2 else -0.5,
+                reward_components={"correct": float(i % 2), "format": 1.0},
+                advantage=0.5 if i % 2 else -0.5,
                 finish_reason="stop", timings={"generate": 0.01 * i},
             )
         )

@@ -87,7 +87,7 @@ def main(model_dir: str, out_dir: str) -> None:
     if world > 1:
         barrier("before_timeout_check", timeout_s=30)
         if rank == 1:
-            time.sleep(6.0)  # outlive rank 0's timeout, then leave without joining
+            time.sleep(4.0)  # outlive rank 0's timeout, then leave without joining
         else:
             try:
                 barrier("skipped_by_rank1", timeout_s=2.0)

@@ -63,7 +63,7 @@ def test_first_sample_is_scored_before_the_last_generation_of_the_step_ends(arit
     run = build(arith_dir, tmp_path, "reward.sources=[{name: exact, type: custom, fn: tests.integration.test_pipeline_stages:recording_reward}]",
                 "engine.max_batch_size=4", "data.eval_path=")
     recorder = RecordingEngine(run.engine)
-    run.pipeline.generator.engine = recorder
+    run.pipeline.engine = recorder
     SCORE_TIMES.clear()
 
     async def go():

@@ -81,3 +81,17 @@ def test_a_short_warmup_lowers_the_answer_loss_and_greedy_accuracy_counts_exact_
     acc = greedy_accuracy(model, tok, rows, max_new_tokens=4)
     wrong = [dict(r, reference=r["reference"] + "9") for r in rows]
     assert acc == 1.0 and greedy_accuracy(model, tok, wrong, max_new_tokens=4) == 0.0
+
+
+def test_prepare_writes_model_and_data_once_and_skips_existing_outputs(tmp_path):
+    from pipelines.arith.prepare import prepare
+
+    paths = prepare(str(tmp_path), seed=0, warmup_steps=3, n_train=40, n_eval=10)
+    assert len(read_rows(paths["train_path"])) == 40 and len(read_rows(paths["eval_path"])) == 10
+    report = json.load(open(f"{paths['model_dir']}/warmup.json"))
+    assert report["steps"] == 3 and len(report["losses"]) == 3 and 0.0 <= report["eval_greedy_accuracy"] <= 1.0
+    model, tok = load_policy(paths["model_dir"])
+    assert tok("12+3=")["input_ids"] == [ARITH_ALPHABET.index(c) + 3 for c in "12+3="]
+    stamp = {p: (tmp_path / p).stat().st_mtime_ns for p in ("train.jsonl", "sft/model.safetensors")}
+    assert prepare(str(tmp_path), seed=0, warmup_steps=3, n_train=40, n_eval=10) == paths
+    assert {p: (tmp_path / p).stat().st_mtime_ns for p in stamp} == stamp

@@ -137,7 +137,8 @@ def test_header_and_tensors_round_trip_with_dtype_and_shape_fidelity(harness, tr
         return await rx.recv(WAIT), await rx.recv(WAIT)
 
     (header, got), (control, no_tensors) = harness.run(body)
-    assert isinstance(header, MicrobatchHeader) and (header.step, header.sample_ids, header.n_tokens) == (3, ["a", "b"], 7)
+    assert isinstance(header, MicrobatchHeader)
+    assert (header.step, header.sample_ids, header.n_tokens) == (3, ["a", "b"], 7)
     assert [spec.name for spec in header.tensors] == list(sent)
     assert list(got) == list(sent)
     for name, tensor in sent.items():
@@ -397,3 +398,32 @@ def test_bad_construction_and_send_arguments_are_value_errors_naming_the_fix(har
         assert tx.credits == 0  # rejected before any credit was spent
 
     harness.run(body)
+
+
+def test_received_tensors_can_be_forwarded_to_the_next_channel(harness):
+    sent = sample_tensors()
+
+    async def body():
+        first = harness.receiver(harness.address("tcp", name="first"), 1, name="first")
+        second = harness.receiver(harness.address("inproc", name="second"), 1, name="second")
+        to_first = harness.sender(first.address, name="first")
+        to_second = harness.sender(second.address, name="second")
+        await to_first.send(Control(signal="hop"), sent, timeout=WAIT)
+        header, views = await first.recv(WAIT)  # tensors that view the received frames
+        await to_second.send(header, views, timeout=WAIT)
+        return await second.recv(WAIT)
+
+    header, got = harness.run(body)
+    assert header.signal == "hop"
+    assert all(got[name].dtype == t.dtype and torch.equal(got[name], t) for name, t in sent.items())
+
+
+def test_misaligned_frame_is_read_correctly():
+    from streamrft.runtime.frames import frames_to_tensors
+
+    values = torch.tensor([1, -2, 3 << 40, 4], dtype=torch.int64)
+    storage = bytearray(1 + values.numel() * 8)
+    storage[1:] = values.numpy().tobytes()
+    spec = protocols.TensorSpec("ids", "int64", (2, 2))
+    got = frames_to_tensors([spec], [memoryview(storage)[1:]])["ids"]  # starts one byte off alignment
+    assert torch.equal(got, values.reshape(2, 2))

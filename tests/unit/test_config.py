@@ -84,3 +84,8 @@ def test_every_shipped_pipeline_config_loads():
     for path in configs:
         cfg = load_config(path)
         validate_config(cfg, world_size=1, check_paths=False)
+
+
+def test_exponent_numbers_without_a_dot_are_numbers():
+    cfg = load_config(None, ["train.lr=1e-3"])
+    assert cfg.train.lr == 1e-3

@@ -181,3 +181,25 @@ def test_missing_model_path_and_bad_freeze_prefix_are_clear_value_errors(dist, m
     mcfg.freeze_prefix = ["vision_tower."]
     with pytest.raises(ValueError, match="freeze_prefix entry 'vision_tower.'"):
         FSDP2Strategy(mcfg, tcfg, dist, total_steps=1)
+
+
+def test_gradient_checkpointing_gives_the_same_grads_and_frozen_prefixes_stay_fixed(dist, model_dir):
+    mbs = _microbatches()
+    grads = []
+    for ckpt in (False, True):
+        mcfg, tcfg = configs(model_dir)
+        mcfg.gradient_checkpointing = ckpt
+        mcfg.freeze_prefix = ["model.layers.0."]
+        strat = FSDP2Strategy(mcfg, tcfg, dist, total_steps=10)
+        frozen = {n: _full(p).clone() for n, p in strat.module.named_parameters() if n.startswith("model.layers.0.")}
+        assert frozen and not any(p.requires_grad for n, p in strat.module.named_parameters() if n in frozen)
+        for mb in mbs:
+            strat.forward_backward(mb, _loss_fn(20.0), T)
+        grads.append({n: _full(p.grad).clone() for n, p in strat.module.named_parameters() if p.grad is not None})
+        strat.step()
+        for n, p in strat.module.named_parameters():
+            if n in frozen:
+                assert torch.equal(_full(p), frozen[n]), n
+    assert grads[0].keys() == grads[1].keys() and not any(k.startswith("model.layers.0.") for k in grads[0])
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-7, rtol=1e-5)

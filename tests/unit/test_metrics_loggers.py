@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,8 +72,11 @@ def test_wandb_offline_run_records_scalars_and_a_redacted_config_without_the_api
     logger = WandbLogger("streamrft-test", "offline", tmp_path, {"seed": 3, "wandb_api_key": SECRET, "x": SECRET})
     logger.log(1, {"loss": 0.5})
     logger.close()
-    run_files = list(tmp_path.rglob("run-*.wandb"))
-    assert run_files, f"no offline run file under {tmp_path}"
-    run_bytes = run_files[0].read_bytes()
-    assert b"loss" in run_bytes and REDACTED.encode() in run_bytes
+    # wandb's service process may still be writing the run file after finish() returns: poll for it.
+    deadline = time.monotonic() + 20
+    run_bytes = b""
+    while time.monotonic() < deadline and not (b"loss" in run_bytes and REDACTED.encode() in run_bytes):
+        time.sleep(0.2)
+        run_bytes = b"".join(p.read_bytes() for p in tmp_path.rglob("run-*.wandb"))
+    assert b"loss" in run_bytes and REDACTED.encode() in run_bytes, f"no complete offline run under {tmp_path}"
     assert SECRET.encode() not in all_bytes_under(tmp_path)
