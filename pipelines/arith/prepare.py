@@ -39,7 +39,8 @@ def _has_model(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "model.safetensors"))
 
 
-def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 700, n_train: int = 4000, n_eval: int = 500) -> dict:
+def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 700, n_train: int = 4000, n_eval: int = 500,
+            lr: float = WARMUP["lr"], batch_size: int = WARMUP["batch_size"]) -> dict:
     """Build everything the arith demo needs under ``out_dir``; returns
     ``{"model_dir", "train_path", "eval_path", "base_dir"}`` (model_dir is the warmed-up model).
 
@@ -65,7 +66,7 @@ def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 700, n_train: int =
     torch.manual_seed(seed)
     model, tokenizer = load_policy(base_dir)
     start = time.perf_counter()
-    losses = supervised_warmup(model, tokenizer, read_rows(train_path), steps=warmup_steps, seed=seed, **WARMUP)
+    losses = supervised_warmup(model, tokenizer, read_rows(train_path), steps=warmup_steps, seed=seed, lr=lr, batch_size=batch_size)
     seconds = time.perf_counter() - start
     model.eval()
     accuracy = greedy_accuracy(model, tokenizer, read_rows(eval_path), max_new_tokens=6)
@@ -73,23 +74,45 @@ def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 700, n_train: int =
     model.save_pretrained(sft_dir)
     tokenizer.save_pretrained(sft_dir)
     report = {"steps": warmup_steps, "seconds": round(seconds, 2), "eval_greedy_accuracy": accuracy,
-              "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "losses": losses, **WARMUP}
+              "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "losses": losses, "lr": lr,
+              "batch_size": batch_size}
     with open(os.path.join(sft_dir, "warmup.json"), "w") as f:
         json.dump(report, f)
     log.info("warm-up: %d steps in %.1f s, held-out greedy accuracy %.3f", warmup_steps, seconds, accuracy)
     return paths
 
 
+def prepare_from_config(config_path: str, overrides: list[str] | None = None) -> dict:
+    """Prepare what a run config needs: the output folder is the parent of ``model.path``
+    (runs/arith/sft -> runs/arith); the warm-up follows the config's ``warmup`` section and seed."""
+    from streamrft.config import ConfigError, load_config
+
+    cfg = load_config(config_path, overrides or [])
+    out_dir = Path(cfg.model.path).parent
+    for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
+        if value and Path(value).parent != out_dir:
+            raise ConfigError(f"{key}={value} must sit beside model.path={cfg.model.path} (in {out_dir}) for prepare.py")
+    if Path(cfg.model.path).name != "sft":
+        raise ConfigError(f"model.path={cfg.model.path} must end in /sft for prepare.py (the warmed-up model)")
+    return prepare(str(out_dir), cfg.seed, cfg.warmup.steps, lr=cfg.warmup.lr, batch_size=cfg.warmup.batch_size)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir")
+    parser.add_argument("out_dir", nargs="?", help="output folder (or give --config)")
+    parser.add_argument("--config", help="a run config: prepare what it needs (see prepare_from_config)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=700)
     parser.add_argument("--n-train", type=int, default=4000)
     parser.add_argument("--n-eval", type=int, default=500)
-    args = parser.parse_args(argv)
+    args, overrides = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    paths = prepare(args.out_dir, args.seed, args.warmup_steps, args.n_train, args.n_eval)
+    if args.config:
+        paths = prepare_from_config(args.config, overrides)
+    elif args.out_dir:
+        paths = prepare(args.out_dir, args.seed, args.warmup_steps, args.n_train, args.n_eval)
+    else:
+        parser.error("give OUT_DIR or --config CONFIG")
     print(json.dumps(paths, indent=2))
 
 
