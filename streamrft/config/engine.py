@@ -12,7 +12,21 @@ class EngineConfig(Section):
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 32  # response length cap; hitting it gives finish_reason="length"
     stop_token_ids: list[int] = []  # extra stop tokens besides the tokenizer's EOS
-    first_token_temperature: float = 0.0  # FIRE sampling: temperature of the first token; 0 = off
-    max_batch_size: int = 256  # sequences decoded together by the hf engine
-    address: str = ""  # remote vllm / sglang server URL; "" = in process
+    first_token_temperature: float = 0.0  # FIRE sampling: temperature of the first token; 0 = off (hf only)
+    max_batch_size: int = 256  # sequences decoded together (hf: per chunk; vllm in process: max_num_seqs)
+    address: str = ""  # remote vllm / sglang server URL, e.g. http://127.0.0.1:30000; "" = in process (vllm)
+    ignore_eos: bool = False  # the tokenizer's EOS does not end a sequence (stop_token_ids still do); benchmarks
+    static_cache: bool = False  # hf: preallocated KV cache + on-device sampling (engines/hf_fast.py); GPU speed
+    cuda_graphs: bool = False  # hf: replay each decode step from a CUDA graph; needs static_cache and CUDA
+    sync_every: int = 16  # hf static_cache: decode steps between host checks for finished rows
     sleep_level: int = 1  # 1 = free KV cache; 2 = also release weights (vllm / sglang)
+    request_timeout_s: float = 600.0  # remote vllm / sglang: seconds one HTTP call may take
+    tensor_parallel_size: int = 1  # vllm in process: GPUs per engine (one engine per tensor-parallel group)
+    gpu_memory_utilization: float = 0.4  # vllm in process: fraction of GPU memory for weights + KV cache
+    kv_cache_memory_bytes: int = 0  # vllm in process: KV cache size in bytes; 0 = derive it (CPU: vLLM's default)
+    max_model_len: int = 0  # vllm in process: context length; 0 = the model's max_position_embeddings
+    enforce_eager: bool = True  # vllm in process: no torch.compile / CUDA graphs (fast start; false = faster decode)
+    weight_sync: Literal["tensor", "distributed"] = "tensor"  # sglang: update_weights_from_tensor (same node) or _from_distributed (broadcast group)
+    weight_group_address: str = "127.0.0.1:29600"  # sglang distributed weight sync: host:port the trainer (rank 0) listens on
+    weight_group_backend: Literal["nccl", "gloo"] = "nccl"  # sglang distributed weight sync: torch.distributed backend
+    weight_group_server_ranks: int = 1  # sglang distributed weight sync: the server's tp_size (ranks besides the trainer)

@@ -12,3 +12,7 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = False  # recompute activations in backward
     freeze_prefix: list[str] = []  # parameter-name prefixes kept frozen (e.g. a vision tower)
     reference_path: str = ""  # frozen reference model for KL; "" = same as path
+    lora_rank: int = 0  # LoRA rank r (peft) on model.lora_target_modules; 0 = full fine-tuning
+    lora_alpha: float = 16.0  # LoRA scale numerator: adapter output scaled by lora_alpha / lora_rank
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # module-name suffixes LoRA wraps
+    critic_path: str = ""  # value model (GAE critic) init: a HF causal-LM dir; "" = no critic

@@ -8,6 +8,9 @@ from streamrft.config.base import Section
 class TrainConfig(Section):
     max_steps: int = 100  # train steps (one optimizer step per mini-batch per step)
     strategy: Literal["fsdp2", "deepspeed"] = "fsdp2"  # learner backend
+    zero_stage: Literal[1, 2, 3] = 3  # DeepSpeed ZeRO stage when train.strategy=deepspeed
+    packing: bool = False  # pack sequences into one row per microbatch (block-diagonal attention)
+    critic_lr: float = 1e-5  # AdamW lr of the critic (value model) when model.critic_path is set
     lr: float = 1e-5
     lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine includes linear warm-up
     warmup_steps: int = 0

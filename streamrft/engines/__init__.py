@@ -1,6 +1,6 @@
 """Rollout engines, chosen by ``engine.type`` through the explicit ``ENGINES`` dict.
 
-Each entry is a builder ``(cfg, module, tokenizer, device) -> RolloutEngine``. Builders import their
+Each entry is a builder ``(cfg, module, tokenizer, device, model_path="") -> RolloutEngine``. Builders import their
 engine inside the function, so optional backends (vllm, sglang) are imported only when selected.
 """
 
@@ -26,7 +26,8 @@ def eos_ids_of(tokenizer, module: torch.nn.Module | None = None) -> list[int]:
     return ids
 
 
-def _build_hf(cfg: EngineConfig, module: torch.nn.Module, tokenizer, device: torch.device) -> RolloutEngine:
+def _build_hf(cfg: EngineConfig, module: torch.nn.Module, tokenizer, device: torch.device,
+              model_path: str = "") -> RolloutEngine:
     from streamrft.engines.hf import HFEngine
 
     eos = eos_ids_of(tokenizer, module)
@@ -34,17 +35,40 @@ def _build_hf(cfg: EngineConfig, module: torch.nn.Module, tokenizer, device: tor
     return HFEngine(module, cfg, eos_token_ids=eos, pad_token_id=int(pad), device=device)
 
 
+def _build_vllm(cfg: EngineConfig, module: torch.nn.Module | None, tokenizer, device: torch.device,
+                model_path: str = "") -> RolloutEngine:
+    """vLLM loads the model itself from ``model_path`` (the learner's ``model.path``)."""
+    if not model_path and not cfg.address:
+        raise ValueError("engine.type=vllm in process needs the model directory; pass model_path=cfg.model.path")
+    from streamrft.engines.vllm import VLLMEngine
+
+    param = None if module is None else next(module.parameters(), None)
+    dtype = "auto" if param is None else param.dtype
+    return VLLMEngine(cfg, model_path, tokenizer, device, eos_token_ids=eos_ids_of(tokenizer, module), dtype=dtype)
+
+
+def _build_sglang(cfg: EngineConfig, module: torch.nn.Module | None, tokenizer, device: torch.device,
+                  model_path: str = "") -> RolloutEngine:
+    from streamrft.engines.sglang import SGLangEngine
+
+    return SGLangEngine(cfg, eos_token_ids=eos_ids_of(tokenizer, module))
+
+
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {
     "hf": _build_hf,
+    "vllm": _build_vllm,
+    "sglang": _build_sglang,
 }
 
 
-def build_engine(cfg: EngineConfig, module: torch.nn.Module, tokenizer, device: torch.device) -> RolloutEngine:
-    """The engine named by ``cfg.type`` (``engine.type`` in the config)."""
+def build_engine(cfg: EngineConfig, module: torch.nn.Module, tokenizer, device: torch.device,
+                 model_path: str = "") -> RolloutEngine:
+    """The engine named by ``cfg.type`` (``engine.type`` in the config). ``model_path`` is the model
+    directory (``model.path``), which the vllm engine loads itself."""
     builder = ENGINES.get(cfg.type)
     if builder is None:
         raise ValueError(f"engine.type={cfg.type!r} is not available here; choose one of {sorted(ENGINES)}")
-    return builder(cfg, module, tokenizer, device)
+    return builder(cfg, module, tokenizer, device, model_path=model_path)
 
 
 __all__ = ["ENGINES", "GeneratedSample", "GenerationRequest", "RolloutEngine", "build_engine", "eos_ids_of"]

@@ -13,10 +13,14 @@ Decoding, per chunk of at most ``engine.max_batch_size`` requests:
    (``transformers.DynamicCache``), samples from ``process_logits`` with the row's own seeded
    generator (``GenerationRequest.seed``) and records ``log p(token)`` under the distribution
    actually sampled from.
-3. A row finishes on a stop token (``engine.stop_token_ids`` or the tokenizer's EOS; the stop token is
+3. A row finishes on a stop token (``engine.stop_token_ids`` or the tokenizer's EOS unless
+   ``engine.ignore_eos``; the stop token is
    kept as the last entry of ``response_ids``, finish_reason ``"stop"``) or when it reaches its
    ``max_new_tokens`` (finish_reason ``"length"``). It is yielded at once and dropped from the batch
    and the cache, so short answers flow on while long ones still decode.
+
+``engine.static_cache`` switches to the preallocated-cache, on-device-sampling path of ``hf_fast.py``
+(optionally CUDA-graph replayed, ``engine.cuda_graphs``), for GPUs.
 
 Every forward runs in a worker thread (``asyncio.to_thread``), so other coroutines of the event loop
 (reward scoring, channels) progress while the model computes.
@@ -54,6 +58,10 @@ def validate_engine_config(cfg: EngineConfig) -> None:
         raise ValueError(f"engine.max_new_tokens={cfg.max_new_tokens} must be >= 1")
     if cfg.max_batch_size < 1:
         raise ValueError(f"engine.max_batch_size={cfg.max_batch_size} must be >= 1")
+    if cfg.cuda_graphs and not cfg.static_cache:
+        raise ValueError("engine.cuda_graphs=true needs engine.static_cache=true")
+    if cfg.sync_every < 1:
+        raise ValueError(f"engine.sync_every={cfg.sync_every} must be >= 1")
 
 
 def _cache_kwarg(module: torch.nn.Module) -> str:
@@ -101,11 +109,24 @@ class HFEngine:
         validate_engine_config(cfg)
         self.module = module
         self.cfg = cfg
-        self.stop_token_ids = frozenset(cfg.stop_token_ids) | frozenset(eos_token_ids)
+        eos = frozenset() if cfg.ignore_eos else frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(cfg.stop_token_ids) | eos
+        if cfg.static_cache:
+            from streamrft.engines.hf_fast import check_static_support
+
+            check_static_support(module)
+            if cfg.cuda_graphs and torch.device(device).type != "cuda":
+                raise ValueError(f"engine.cuda_graphs=true needs a CUDA device, got {device}; "
+                                 "set engine.cuda_graphs=false")
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
         self.policy_version = policy_version
         self._cache_kwarg = _cache_kwarg(module)
+        # media placeholder ids (Qwen2-VL image/video pad, Qwen2-Audio <|AUDIO|>) are never sampled: a response
+        # holding one could not be re-scored, since the model would look for media features to put there
+        config = getattr(module, "config", None)
+        self._banned_ids = sorted({i for key in ("image_token_id", "video_token_id", "audio_token_id")
+                                   if isinstance(i := getattr(config, key, None), int)})
         self._active = 0  # generate() calls in flight; the module's mode is restored when it drops to 0
         self._was_training = False
         self._asleep = False
@@ -113,24 +134,41 @@ class HFEngine:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, requests: list[GenerationRequest]) -> AsyncIterator[GeneratedSample]:
-        """Yield each sample as soon as its own sequence ends (stop token or length), not at batch end."""
+    async def generate(
+        self, requests: list[GenerationRequest], mm_inputs: dict[str, dict[str, torch.Tensor]] | None = None,
+    ) -> AsyncIterator[GeneratedSample]:
+        """Yield each sample as soon as its own sequence ends (stop token or length), not at batch end.
+
+        ``mm_inputs`` (multimodal prompts): request_id -> that prompt's ``build_model_inputs`` dict
+        (streamrft.models.multimodal); its ``input_ids`` must equal the request's ``prompt_ids``. The
+        prefill forward gets the media tensors (pixel_values / input_features ...) and, for Qwen2-VL,
+        (3, B, L) M-RoPE positions from the model's ``get_rope_index``; decode steps use the KV cache only.
+        """
         if self._asleep:
             raise RuntimeError("HFEngine.generate called while asleep; call await engine.wake() first")
         self._validate_requests(requests)
+        if mm_inputs and self.cfg.static_cache:
+            raise ValueError("multimodal prompts need the dynamic-cache path; set engine.static_cache=false")
         start = time.perf_counter()
         self._enter()
         try:
             size = self.cfg.max_batch_size
+            chunk_fn = lambda reqs, t0: self._generate_chunk(reqs, t0, mm_inputs)  # noqa: E731
+            if self.cfg.static_cache:
+                from streamrft.engines.hf_fast import generate_chunk_static
+
+                chunk_fn = lambda reqs, t0: generate_chunk_static(self, reqs, t0)  # noqa: E731
             for lo in range(0, len(requests), size):
-                async for sample in self._generate_chunk(requests[lo : lo + size], start):
+                async for sample in chunk_fn(requests[lo : lo + size], start):
                     yield sample
         finally:
             self._exit()
 
-    async def generate_all(self, requests: list[GenerationRequest]) -> list[GeneratedSample]:
+    async def generate_all(
+        self, requests: list[GenerationRequest], mm_inputs: dict[str, dict[str, torch.Tensor]] | None = None,
+    ) -> list[GeneratedSample]:
         """All samples, in request order."""
-        by_id = {s.request_id: s async for s in self.generate(requests)}
+        by_id = {s.request_id: s async for s in self.generate(requests, mm_inputs)}
         return [by_id[r.request_id] for r in requests]
 
     def _validate_requests(self, requests: list[GenerationRequest]) -> None:
@@ -162,7 +200,9 @@ class HFEngine:
         if self._active == 0:
             self.module.train(self._was_training)
 
-    async def _generate_chunk(self, requests: list[GenerationRequest], start: float) -> AsyncIterator[GeneratedSample]:
+    async def _generate_chunk(
+        self, requests: list[GenerationRequest], start: float, mm_inputs: dict | None = None,
+    ) -> AsyncIterator[GeneratedSample]:
         rows = [
             _Row(
                 request=r,
@@ -175,6 +215,9 @@ class HFEngine:
         ]
         cache = _new_cache(self.module)
         input_ids_BL, mask_BL, position_ids_BL = self._left_pad([r.prompt_ids for r in requests])
+        extra: dict[str, torch.Tensor] = {}  # prefill-only media inputs
+        if mm_inputs:
+            input_ids_BL, mask_BL, position_ids_BL, extra = self._multimodal_prefill(requests, mm_inputs)
         step = 0
         while rows:
             temperature = self.cfg.temperature
@@ -182,7 +225,9 @@ class HFEngine:
                 temperature = self.cfg.first_token_temperature
             tokens, logps = await asyncio.to_thread(
                 self._step, input_ids_BL, mask_BL, position_ids_BL, cache, [r.generator for r in rows], temperature,
+                extra,
             )
+            extra = {}
             keep: list[int] = []
             finished: list[GeneratedSample] = []
             for i, (row, token, logp) in enumerate(zip(rows, tokens, logps)):
@@ -211,11 +256,15 @@ class HFEngine:
             if len(keep) < len(rows):
                 keep_B = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(keep_B)
-                mask_BL, position_ids_BL, tokens_B1 = mask_BL[keep_B], position_ids_BL[keep_B], tokens_B1[keep_B]
+                mask_BL, tokens_B1 = mask_BL[keep_B], tokens_B1[keep_B]
+                position_ids_BL = position_ids_BL[:, keep_B] if position_ids_BL.dim() == 3 else position_ids_BL[keep_B]
                 rows = [rows[i] for i in keep]
             input_ids_BL = tokens_B1
             mask_BL = torch.cat([mask_BL, torch.ones_like(mask_BL[:, :1])], dim=1)
-            position_ids_BL = position_ids_BL[:, -1:] + 1
+            if position_ids_BL.dim() == 3 and step == 0:  # M-RoPE: next text position = max position + 1
+                position_ids_BL = position_ids_BL.amax(dim=(0, 2), keepdim=True).expand(3, -1, 1) + 1
+            else:
+                position_ids_BL = position_ids_BL[..., -1:] + 1
             step += 1
         del cache
 
@@ -230,6 +279,30 @@ class HFEngine:
         position_ids_BL = (mask_BL.cumsum(dim=1) - 1).clamp(min=0)
         return ids_BL.to(self.device), mask_BL.to(self.device), position_ids_BL.to(self.device)
 
+    def _multimodal_prefill(
+        self, requests: list[GenerationRequest], mm_inputs: dict[str, dict[str, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Left-padded prefill of multimodal prompts: (input_ids, mask, position_ids, media kwargs);
+        position_ids are (3, B, L) M-RoPE ids for Qwen2-VL, (B, L) otherwise."""
+        from streamrft.models.multimodal import collate_prompts, forward_kwargs
+
+        per_row = []
+        for r in requests:
+            inputs = mm_inputs.get(r.request_id)
+            if inputs is None:
+                ids = torch.tensor([r.prompt_ids], dtype=torch.long)
+                inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+                if any("mm_token_type_ids" in x for x in mm_inputs.values()):
+                    inputs["mm_token_type_ids"] = torch.zeros_like(ids)
+            elif inputs["input_ids"][0].tolist() != list(r.prompt_ids):
+                raise ValueError(f"request {r.request_id!r}: mm_inputs input_ids differ from prompt_ids; build both "
+                                 "from the same build_model_inputs call")
+            per_row.append(inputs)
+        batch = {k: v.to(self.device) for k, v in collate_prompts(per_row, self.pad_token_id).items()}
+        kwargs = forward_kwargs(self.module, batch)
+        input_ids_BL, mask_BL, position_ids = kwargs.pop("input_ids"), kwargs.pop("attention_mask"), kwargs.pop("position_ids")
+        return input_ids_BL, mask_BL, position_ids, kwargs
+
     def _step(
         self,
         input_ids_BL: torch.Tensor,
@@ -238,6 +311,7 @@ class HFEngine:
         cache: DynamicCache,
         generators: list[torch.Generator],
         temperature: float,
+        extra: dict[str, torch.Tensor] | None = None,
     ) -> tuple[list[int], list[float]]:
         """One forward (prefill or decode) and one sampled token per row; runs in a worker thread,
         so grad mode is set here (it is thread-local)."""
@@ -249,8 +323,13 @@ class HFEngine:
                 use_cache=True,
                 logits_to_keep=1,
                 **{self._cache_kwarg: cache},
+                **(extra or {}),
             )
-            logits_BV = process_logits(out.logits[:, -1, :], temperature, self.cfg.top_k, self.cfg.top_p)
+            raw_BV = out.logits[:, -1, :]
+            if self._banned_ids:
+                raw_BV = raw_BV.clone()
+                raw_BV[:, self._banned_ids] = float("-inf")
+            logits_BV = process_logits(raw_BV, temperature, self.cfg.top_k, self.cfg.top_p)
             tokens_B = sample_tokens(logits_BV, generators)
             logp_B = logprob_of(logits_BV, tokens_B)
         return tokens_B.tolist(), logp_B.tolist()

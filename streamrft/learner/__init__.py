@@ -11,7 +11,16 @@ if TYPE_CHECKING:
     from streamrft.config.train import TrainConfig
     from streamrft.runtime.distributed import DistInfo
 
-STRATEGIES = {"fsdp2": FSDP2Strategy}  # "deepspeed" later, behind the same methods
+
+
+def _deepspeed_strategy(model_cfg, train_cfg, dist, total_steps):
+    """DeepSpeedStrategy, imported on use: deepspeed is an optional dependency."""
+    from streamrft.learner.deepspeed import DeepSpeedStrategy
+
+    return DeepSpeedStrategy(model_cfg, train_cfg, dist, total_steps)
+
+
+STRATEGIES = {"fsdp2": FSDP2Strategy, "deepspeed": _deepspeed_strategy}  # name -> constructor
 
 
 def build_strategy(model_cfg: ModelConfig, train_cfg: TrainConfig, dist: DistInfo, total_steps: int):

@@ -8,7 +8,11 @@ and the entropy of the same distribution is H[b, t] = -sum_v p_v log p_v. Only p
 response_mask[b, t] = 1 need logits: we gather their (t-1) hidden states into an (N, H) matrix and run the
 head in chunks of ``chunk_size`` rows, each chunk under activation checkpointing when grads are on, so at
 most one (chunk_size, V) float32 block is alive at a time (forward and backward).
-Positions outside the response mask (and t = 0) hold 0.
+Positions outside the response mask (and t = 0, and the first token of every packed sequence, where
+position_ids = 0) hold 0.
+
+Packed microbatches (``packing.py``) carry a 4-D block-diagonal boolean attention_mask (B, 1, L, L);
+``attention_kwargs`` hands it to the model in the form its attention implementation takes.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ def _chunk_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: tor
 
 def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_ids_BL: torch.Tensor,
                          response_mask_BL: torch.Tensor, temperature: float, with_entropy: bool,
-                         chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The formula above, given the final hidden states (after the last norm) and the LM head."""
+                         chunk_size: int = 1024, position_ids_BL: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The formula above, given the final hidden states (after the last norm) and the LM head.
+    With ``position_ids_BL``, positions where it is 0 (a sequence start) are excluded too."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0; set rollout.temperature > 0")
     if chunk_size <= 0:
@@ -40,6 +46,8 @@ def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_
     B, L = input_ids_BL.shape
     mask_BL = response_mask_BL.bool().clone()
     mask_BL[:, 0] = False  # no prediction for the first token
+    if position_ids_BL is not None:
+        mask_BL &= position_ids_BL != 0  # nor for the first token of a packed sequence
     b_N, t_N = mask_BL.nonzero(as_tuple=True)
     h_NH = hidden_BLH[b_N, t_N - 1]
     target_N = input_ids_BL[b_N, t_N]
@@ -73,8 +81,26 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
     positions. Needs mb["input_ids"], ["attention_mask"], ["position_ids"], ["response_mask"], all (B, L).
     """
     hidden_BLH = model.get_decoder()(
-        input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"],
-        use_cache=False,
+        input_ids=mb["input_ids"], attention_mask=attention_mask_for(model, mb["attention_mask"]),
+        position_ids=mb["position_ids"], use_cache=False,
     ).last_hidden_state
     return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
-                                mb["response_mask"], temperature, with_entropy, chunk_size)
+                                mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"])
+
+
+def attention_mask_for(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor | None:
+    """A 2-D padding mask as is; a 4-D boolean packed mask (True = attend) as the model's attention
+    implementation takes it: None for flash_attention_2 (transformers then runs varlen flash attention
+    from the restarting position_ids), bool for sdpa, additive (0 / dtype min) for eager and others."""
+    if mask.dim() != 4:
+        return mask
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if impl == "flash_attention_2":
+        return None
+    if impl == "sdpa":
+        return mask.bool()
+    if mask.dtype != torch.bool:
+        return mask
+    dtype = next(model.parameters()).dtype
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)

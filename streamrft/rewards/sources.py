@@ -37,7 +37,13 @@ class LocalFunctionBackend:
 
 
 def resolve_reward_function(spec: str) -> RewardFunction:
-    """A built-in rule name (see RULES) or a custom ``module:function`` / ``file.py:function`` spec."""
+    """A built-in rule name (see RULES), a custom ``module:function`` / ``file.py:function`` spec, or
+    ``model:DIR``: a reward model trained by ``streamrft train-rm`` (streamrft.rm.reward.ModelReward,
+    which has the same ``name`` / ``async score(items)`` shape)."""
+    if spec.startswith("model:"):
+        from streamrft.rm.reward import ModelReward
+
+        return ModelReward(spec.removeprefix("model:"))  # type: ignore[return-value]
     if spec in RULES:
         return RewardFunction(RULES[spec], name=spec)
     if ":" not in spec:
@@ -66,12 +72,24 @@ def _build_remote(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBac
     return client, client.deadline_s
 
 
+def _build_model(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBackend, float]:
+    from streamrft.rm.reward import ModelReward
+
+    if not src.model_path:
+        raise ConfigError(f"reward source {src.name!r}: model_path is empty; set reward.sources[*].model_path to a "
+                          "directory written by `streamrft train-rm`")
+    try:
+        return ModelReward(src.model_path), cfg.timeout_s
+    except ValueError as exc:
+        raise ConfigError(f"reward source {src.name!r} (reward.sources[*].model_path): {exc}") from None
+
+
 # type -> builder returning (backend, the longest one score() call may take before it is abandoned).
-# "model" (a local reward model) is not built here yet; validate_reward rejects it with that reason.
 SOURCE_BUILDERS: dict[str, Callable[[RewardSourceConfig, RewardConfig], tuple[RewardBackend, float]]] = {
     "rule": _build_rule,
     "custom": _build_custom,
     "remote": _build_remote,
+    "model": _build_model,  # a trained SRM / GRM directory (streamrft.rm.reward.ModelReward), run in process
 }
 
 

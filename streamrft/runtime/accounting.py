@@ -53,6 +53,16 @@ class Accounting:
                 "a sample was lost or counted twice"
             )
 
+    def state_dict(self) -> dict:
+        """The counters, JSON-encodable (checkpoints)."""
+        return {"admitted": self.admitted, "trained": self.trained, "filtered": dict(self.filtered),
+                "failed": dict(self.failed), "refilled_prompts": self.refilled_prompts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.admitted, self.trained = state["admitted"], state["trained"]
+        self.filtered, self.failed = Counter(state["filtered"]), Counter(state["failed"])
+        self.refilled_prompts = state["refilled_prompts"]
+
     def summary(self) -> dict[str, float]:
         out = {"samples_admitted": self.admitted, "samples_trained": self.trained}
         out.update({f"samples_filtered/{k}": v for k, v in self.filtered.items()})

@@ -43,10 +43,12 @@ class Run:
     sinks: list = field(default_factory=list)
     exporter: object = None
     run_id: str = ""
+    checkpointer: object = None
 
 
 def build_run(cfg: Config, dist) -> Run:
     """Create model, engine, stages and channels for this rank (config already validated)."""
+    from streamrft.checkpoint import Checkpointer, set_deterministic
     from streamrft.data import PromptDataset
     from streamrft.engines import build_engine
     from streamrft.learner import build_strategy
@@ -60,6 +62,7 @@ def build_run(cfg: Config, dist) -> Run:
     from streamrft.teacher.client import build_teacher_client
 
     torch.manual_seed(cfg.seed)
+    set_deterministic(cfg.train.deterministic)
     d = cfg.data
     dataset = PromptDataset(d.train_path, d.prompt_field, d.reference_field, d.label_field)
     eval_dataset = PromptDataset(d.eval_path, d.prompt_field, d.reference_field, d.label_field) if d.eval_path else None
@@ -79,7 +82,8 @@ def build_run(cfg: Config, dist) -> Run:
     pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, teacher, run_id=run_id, policy_version_fn=lambda: engine.policy_version)
     phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level)
     actor = ActorUpdate(strategy, reference, cfg, all_reduce_sum)
-    return Run(cfg, dist, strategy, reference, engine, eval_engine, scorer, dataset, eval_dataset, pipeline, phase, actor, accounting, metrics, _build_loggers(cfg, dist), _build_sinks(cfg, dist, run_id), exporter, run_id)
+    checkpointer = Checkpointer(cfg, dist, strategy, accounting)
+    return Run(cfg, dist, strategy, reference, engine, eval_engine, scorer, dataset, eval_dataset, pipeline, phase, actor, accounting, metrics, _build_loggers(cfg, dist), _build_sinks(cfg, dist, run_id), exporter, run_id, checkpointer)
 
 
 def _build_metrics(cfg, dist, accounting):
@@ -115,16 +119,24 @@ def _build_sinks(cfg, dist, run_id):
 
 
 async def train_loop(run: Run) -> dict[str, float]:
-    """Evaluate, then for each step: rollout → decide → train → push weights; evaluate again."""
+    """Resume or evaluate, then for each step: rollout → decide → train → checkpoint → push weights;
+    evaluate again. A resumed run skips the "before" evaluation and reports the checkpoint's."""
+    from streamrft.checkpoint import reset_steps_log
+
     cfg, phase, pipeline = run.cfg, run.phase, run.pipeline
     started = time.perf_counter()
-    if run.dist.rank == 0:
-        (Path(cfg.output_dir) / "steps.jsonl").unlink(missing_ok=True)
     await pipeline.start()
-    await phase.enter_rollout(version=0)
-    summary = {f"{k}_before": v for k, v in (await _evaluate(run)).items()}
-    _announce(run, f"heldout before: {summary}")
-    for step in range(cfg.train.max_steps):
+    resumed = run.checkpointer.resume({"generator": pipeline.generator})  # None when starting fresh
+    start = resumed.step if resumed else 0
+    if run.dist.rank == 0:
+        reset_steps_log(Path(cfg.output_dir) / "steps.jsonl", start)
+    await phase.enter_rollout(version=resumed.policy_version if resumed else 0)
+    if resumed is None:
+        run.checkpointer.summary_before = {f"{k}_before": v for k, v in (await _evaluate(run)).items()}
+    summary = dict(run.checkpointer.summary_before)
+    resumed_from = f"resumed from {resumed.path} at step {start}; " if resumed else ""
+    _announce(run, f"{resumed_from}heldout before: {summary}")
+    for step in range(start, cfg.train.max_steps):
         step_started = time.perf_counter()
         batch = await pipeline.run_step(step)  # ROLLOUT: streamed through every stage
         global_samples = phase.batch_ready(len(batch))  # one all-reduce decides ROLLOUT → TRAIN
@@ -132,6 +144,7 @@ async def train_loop(run: Run) -> dict[str, float]:
         stats = run.actor.train_step(batch) if global_samples else {}
         run.accounting.train(len(batch))
         run.accounting.check(step)
+        run.checkpointer.step_done(step + 1, policy_version=step + 1)  # saves every checkpoint.save_every steps
         await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake
         stats.update(_reward_stats(batch, run.actor.all_reduce_sum, [src.name for src in cfg.reward.sources]))
         stats.update({f"phase/{k}_seconds": v for k, v in phase.timings.items()})
@@ -257,6 +270,7 @@ async def _run_with_signals(run: Run) -> dict[str, float]:
         return await train_loop(run)
     except asyncio.CancelledError:
         if received:
+            run.checkpointer.save_on_signal()  # the last completed step, unless it is saved already
             raise KeyboardInterrupt(f"streamrft: stopped by {received[0]} on rank {run.dist.rank}; sockets closed") from None
         raise
     finally:

@@ -46,6 +46,13 @@ class Generator(Stage):
         self.refills_used = 0  # run-wide counter, strided by rank for distinct refill prompts
         self.generated_tokens = 0
 
+    def state_dict(self) -> dict:
+        """What a checkpoint needs beyond (seed, step): the run-wide refill counter."""
+        return {"refills_used": self.refills_used}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.refills_used = state["refills_used"]
+
     def plan(self, step: int) -> StepPlan:
         per_step = self.cfg.rollout.prompts_per_step
         local = per_step // self.world_size

@@ -23,23 +23,44 @@ class _ConcurrentStage(Stage):
         self.outbox = outbox
         self.slots = asyncio.Semaphore(max_concurrency)
         self.tasks: set[asyncio.Task] = set()
+        self.failure: asyncio.Future | None = None  # the first item task's exception stops the stage
+
+    def _on_item_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and not self.failure.done():
+            self.failure.set_exception(task.exception())
 
     def _reap(self) -> None:
         for task in [t for t in self.tasks if t.done()]:
             self.tasks.discard(task)
-            if task.exception() is not None:
-                raise task.exception()
+        if self.failure is not None and self.failure.done():
+            raise self.failure.exception()
+
+    async def run(self) -> None:
+        """Like Stage.run, but an item task that fails stops the stage at once, not at the next message."""
+        self.failure = asyncio.get_running_loop().create_future()
+        while True:
+            receive = asyncio.ensure_future(self.recv())
+            await asyncio.wait({receive, self.failure}, return_when=asyncio.FIRST_COMPLETED)
+            if self.failure.done():
+                receive.cancel()
+                for task in self.tasks:
+                    task.cancel()
+                raise self.failure.exception()
+            header, tensors = receive.result()
+            if await self.handle(header, tensors):
+                return
 
     async def handle(self, header, tensors) -> bool:
         self._reap()
         if isinstance(header, Control):
             if self.tasks:
-                await asyncio.gather(*self.tasks)
+                await asyncio.gather(*self.tasks, return_exceptions=True)
             self._reap()
             await self.outbox.send(header, timeout=self.ctx.stage_timeout_s)
             return header.signal == "stop"
         await self.slots.acquire()
         task = asyncio.create_task(self._process_released(header, tensors), name=f"{self.name}-item")
+        task.add_done_callback(self._on_item_done)
         self.tasks.add(task)
         return False
 

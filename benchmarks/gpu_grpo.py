@@ -1,0 +1,371 @@
+"""GRPO on one GPU, StreamRFT vs TRL's GRPOTrainer (HF generation), same workload; prints one table.
+
+Workload (per size): 64 prompts × 8 samples, prompts of 256 tokens, responses forced to 512 tokens (EOS
+suppressed: ``engine.ignore_eos`` here, ``min_new_tokens`` in TRL), bf16 compute, random-init Qwen2.5
+shapes (0.5B, 1.5B) with a local character tokenizer (the vocab size sets the cost, not the text), a
+pseudo-random reward (benchmarks/gpu_reward.py). Each system runs in its own subprocess (clean memory
+peak, clean process group); steady-state numbers are medians over the steps after the first.
+
+    python benchmarks/gpu_grpo.py --out DIR [--sizes 0.5b,1.5b] [--steps 3] [--systems streamrft,trl,eager]
+    python benchmarks/gpu_grpo.py --tiny --out /tmp/x      # CPU dry run: tiny shapes, few tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+SHAPES = {  # published Qwen2.5 config values
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128),
+}
+ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+
+
+def workload(tiny: bool) -> dict:
+    if tiny:
+        return dict(prompts=4, samples=2, prompt_len=8, new=6, vocab=512, micro_batch=4)
+    return dict(prompts=64, samples=8, prompt_len=256, new=512, vocab=151936, micro_batch=32)
+
+
+# ---------------------------------------------------------------- model + data ----------------------
+def build_model(size: str, wl: dict, out: Path, device: str) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from streamrft.models.tiny import build_char_tokenizer
+
+    path = out / f"model_{size}"
+    tok = build_char_tokenizer(str(path), ALPHABET)
+    cfg = Qwen2Config(vocab_size=wl["vocab"], tie_word_embeddings=True, rope_theta=1e6,
+                      max_position_embeddings=32768, rms_norm_eps=1e-6, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, **SHAPES[size])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.to(torch.bfloat16).save_pretrained(str(path))
+    rng = random.Random(0)
+    n_rows = wl["prompts"] * 8
+    with (out / f"data_{size}.jsonl").open("w") as f:
+        for _ in range(n_rows):
+            text = "".join(rng.choice(ALPHABET) for _ in range(wl["prompt_len"]))
+            f.write(json.dumps({"prompt": text, "reference": ""}) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- StreamRFT worker ------------------
+def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dict:
+    import asyncio
+
+    import torch
+
+    from streamrft.config import load_config, validate_config
+    from streamrft.engines.base import GenerationRequest
+    from streamrft.runtime.distributed import init_distributed
+    from streamrft.runtime.driver import _shutdown, build_run, train_loop
+
+    cuda = torch.cuda.is_available()
+    tag = "streamrft" if fast else "eager"
+    run_dir = out / f"run_{size}_{tag}"
+    overrides = [
+        f"output_dir={run_dir}", f"model.path={out / f'model_{size}'}", "model.dtype=bfloat16",
+        f"data.train_path={out / f'data_{size}.jsonl'}", "data.eval_path=",
+        f"engine.max_new_tokens={wl['new']}", "engine.ignore_eos=true", "engine.temperature=1.0",
+        f"engine.max_batch_size={wl['prompts'] * wl['samples']}",
+        f"engine.static_cache={'true' if fast else 'false'}",
+        f"engine.cuda_graphs={'true' if fast and cuda else 'false'}",
+        f"rollout.prompts_per_step={wl['prompts']}", f"rollout.n_samples_per_prompt={wl['samples']}",
+        f"train.max_steps={steps}", "train.lr=1e-6", f"train.micro_batch_tokens={wl['micro_batch'] * (wl['prompt_len'] + wl['new'])}",
+        "algorithm.advantage_estimator=group_norm", "algorithm.policy_loss=ppo_clip", "algorithm.kl_coef=0.0",
+    ]
+    cfg_path = out / f"cfg_{size}_{tag}.yaml"
+    cfg_path.write_text("reward:\n  sources:\n    - name: rand\n      type: custom\n"
+                        f"      fn: {ROOT / 'benchmarks' / 'gpu_reward.py'}:random_reward\n")
+    cfg = load_config(cfg_path, overrides)
+    dist = init_distributed()
+    validate_config(cfg, dist.world_size)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    run = build_run(cfg, dist)
+    times: dict[str, list[float]] = {"rollout": [], "train": []}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed_async(fn, key):
+        async def wrapper(*a, **k):
+            sync()
+            t0 = time.perf_counter()
+            r = await fn(*a, **k)
+            sync()
+            times[key].append(time.perf_counter() - t0)
+            return r
+        return wrapper
+
+    def timed(fn, key):
+        def wrapper(*a, **k):
+            sync()
+            t0 = time.perf_counter()
+            r = fn(*a, **k)
+            sync()
+            times[key].append(time.perf_counter() - t0)
+            return r
+        return wrapper
+
+    run.pipeline.run_step = timed_async(run.pipeline.run_step, "rollout")
+    run.actor.train_step = timed(run.actor.train_step, "train")
+
+    async def main():
+        try:
+            await train_loop(run)
+            # the engine alone, after training (weights unsharded for rollout): one full generate call
+            rng = random.Random(1)
+            reqs = [GenerationRequest(f"b{i}", [rng.randrange(3, 29) for _ in range(wl["prompt_len"])], seed=i)
+                    for i in range(wl["prompts"] * wl["samples"])]
+            sync()
+            t0 = time.perf_counter()
+            got = await run.engine.generate_all(reqs)
+            sync()
+            engine_s = time.perf_counter() - t0
+            assert all(len(g.response_ids) == wl["new"] for g in got)
+            return engine_s
+        finally:
+            await _shutdown(run)
+
+    engine_s = asyncio.run(main())
+    rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    steady = rows[1:] or rows
+    med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
+    steady_t = lambda key: statistics.median(times[key][1:] or times[key])  # noqa: E731
+    tokens = wl["prompts"] * wl["samples"] * wl["new"]
+    return {
+        "system": tag, "size": size, "steps": len(rows),
+        "step_s": med("step_seconds"), "rollout_s": steady_t("rollout"), "train_s": steady_t("train"),
+        "rollout_tok_s": tokens / steady_t("rollout"), "trained_tok_s": med("trained_tokens_per_s"),
+        "phase_switch_s": med("phase/rollout_to_train_seconds") + med("phase/train_to_rollout_seconds"),
+        "r2t_s": med("phase/rollout_to_train_seconds"), "t2r_s": med("phase/train_to_rollout_seconds"),
+        "weight_sync_s": med("phase/weight_push_seconds"), "offload_s": med("phase/offload_seconds"),
+        "reload_s": med("phase/reload_seconds"), "engine_only_s": engine_s,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "step_times": [r.get("step_seconds") for r in rows], "rollout_times": times["rollout"],
+        "train_times": times["train"],
+    }
+
+
+# ---------------------------------------------------------------- TRL worker ------------------------
+def run_trl(size: str, wl: dict, out: Path, steps: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from gpu_reward import random_reward
+
+    cuda = torch.cuda.is_available()
+    path = str(out / f"model_{size}")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if cuda:
+        model.to("cuda")
+        torch.cuda.reset_peak_memory_stats()
+    gen_times: list[float] = []
+    original = model.generate
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed_generate(*a, **k):
+        sync()
+        t0 = time.perf_counter()
+        r = original(*a, **k)
+        sync()
+        gen_times.append(time.perf_counter() - t0)
+        return r
+
+    model.generate = timed_generate
+    step_times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            step_times.append(time.perf_counter() - self.t0)
+
+    rows = [json.loads(line) for line in (out / f"data_{size}.jsonl").read_text().splitlines()]
+    n = wl["prompts"] * wl["samples"]
+    args = GRPOConfig(
+        output_dir=str(out / f"trl_{size}"), per_device_train_batch_size=wl["micro_batch"],
+        gradient_accumulation_steps=n // wl["micro_batch"], num_generations=wl["samples"],
+        max_completion_length=wl["new"], temperature=1.0, top_k=0, top_p=1.0, beta=0.0, learning_rate=1e-6,
+        bf16=cuda, max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", seed=0,
+        generation_kwargs={"min_new_tokens": wl["new"]}, use_vllm=False, use_cpu=not cuda,
+        dataloader_num_workers=0,
+    )
+
+    def reward(completions, **kw):
+        return [random_reward(c, "") for c in completions]
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
+                          train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in rows]),
+                          callbacks=[Timer()])
+    trainer.train()
+    steady = step_times[1:] or step_times
+    gens = gen_times[1:] or gen_times
+    tokens = n * wl["new"]
+    step_s, gen_s = statistics.median(steady), statistics.median(gens)
+    return {
+        "system": "trl", "size": size, "steps": len(step_times), "step_s": step_s, "rollout_s": gen_s,
+        "train_s": step_s - gen_s, "rollout_tok_s": tokens / gen_s, "trained_tok_s": tokens / step_s,
+        "phase_switch_s": 0.0, "weight_sync_s": 0.0, "engine_only_s": gen_s,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "step_times": step_times, "rollout_times": gen_times,
+    }
+
+
+# ---------------------------------------------------------------- table -----------------------------
+def report(results: dict, ceilings: dict, wl: dict, sizes: list[str]) -> str:
+    from transformers import AutoConfig
+
+    from gpu_flops import rollout_floor_s, rollout_flops, shape_of, train_flops
+
+    B = wl["prompts"] * wl["samples"]
+    bw, rate = ceilings.get("copy_bytes_per_s", 4.3e12), ceilings.get("bf16_flops_per_s", 7.9e14)
+    lines = [f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s; "
+             f"B={B} prompt={wl['prompt_len']} new={wl['new']}"]
+    head = (f"{'size':5} {'system':9} {'step_s':>7} {'roll_s':>7} {'train_s':>7} {'roll_tok/s':>10} {'train_tok/s':>11} "
+            f"{'peak_GiB':>8} {'switch_s':>8} {'wsync_s':>7} {'eng_s':>6} {'roofl%':>6} {'lrnMFU%':>7} {'stepMFU%':>8}")
+    lines.append(head)
+    for size in sizes:
+        cfg_path = Path(results.get("_out", ".")) / f"model_{size}"
+        try:
+            s = shape_of(AutoConfig.from_pretrained(str(cfg_path)))
+        except Exception:  # noqa: BLE001 - model not built (earlier failure)
+            continue
+        pf, dec = rollout_floor_s(s, B, wl["prompt_len"], wl["new"], bw, rate)
+        tf = train_flops(s, B, wl["prompt_len"], wl["new"])
+        rf = rollout_flops(s, B, wl["prompt_len"], wl["new"])
+        lines.append(f"{size}: rollout floor {pf + dec:.3f} s (prefill {pf:.3f} + decode {dec:.3f}); "
+                     f"train {tf / 1e15:.2f} PFLOP, rollout {rf / 1e15:.2f} PFLOP")
+        for system in ("streamrft", "eager", "trl"):
+            r = results.get(f"{size}_{system}")
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"{size:5} {system:9} FAILED: {r['error'][-300:]}")
+                continue
+            lines.append(
+                f"{size:5} {system:9} {r['step_s']:7.2f} {r['rollout_s']:7.2f} {r['train_s']:7.2f} "
+                f"{r['rollout_tok_s']:10.0f} {r['trained_tok_s']:11.0f} {r['peak_gib']:8.1f} "
+                f"{r['phase_switch_s']:8.3f} {r['weight_sync_s']:7.3f} {r['engine_only_s']:6.2f} "
+                f"{100 * (pf + dec) / r['engine_only_s']:6.1f} {100 * tf / (r['train_s'] * rate):7.1f} "
+                f"{100 * (tf + rf) / (r['step_s'] * rate):8.1f}")
+        a, b = results.get(f"{size}_streamrft", {}), results.get(f"{size}_trl", {})
+        if "step_s" in a and "step_s" in b:
+            lines.append(f"{size:5} ratio     StreamRFT/TRL: step throughput {b['step_s'] / a['step_s']:.2f}x, "
+                         f"rollout tok/s {a['rollout_tok_s'] / b['rollout_tok_s']:.2f}x, "
+                         f"train time {b['train_s'] / a['train_s']:.2f}x faster")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sizes", default="0.5b,1.5b")
+    ap.add_argument("--systems", default="streamrft,trl,eager")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--worker", default="")
+    ap.add_argument("--size", default="")
+    ap.add_argument("--timeout", type=float, default=600)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wl = workload(a.tiny)
+    if a.worker:
+        try:
+            if a.worker == "trl":
+                res = run_trl(a.size, wl, out, a.steps)
+            else:
+                res = run_streamrft(a.size, wl, out, a.steps if a.worker == "streamrft" else 2,
+                                    fast=a.worker == "streamrft")
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            import traceback
+
+            res = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"}
+            traceback.print_exc()
+        (out / f"res_{a.size}_{a.worker}.json").write_text(json.dumps(res))
+        return
+
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ceilings = {}
+    if device == "cuda":
+        ceilings = measure_ceilings_safe()
+        print(f"ceilings: {ceilings}", flush=True)
+    results: dict = {"_out": str(out), "ceilings": ceilings}
+    sizes = ["tiny"] if a.tiny else a.sizes.split(",")
+    systems = a.systems.split(",")
+    jobs = [(size, system) for size in sizes for system in systems if system != "eager"]
+    if "eager" in systems:
+        jobs.append((sizes[0], "eager"))  # the eager engine baseline at the first size only, last (slow)
+    built: set[str] = set()
+    for size, system in jobs:
+        if size not in built:
+            t0 = time.perf_counter()
+            build_model(size, wl, out, device)
+            built.add(size)
+            print(f"[{size}] model built in {time.perf_counter() - t0:.1f} s", flush=True)
+        if True:
+            cmd = [sys.executable, __file__, "--out", str(out), "--worker", system, "--size", size,
+                   "--steps", str(a.steps)] + (["--tiny"] if a.tiny else [])
+            t0 = time.perf_counter()
+            try:
+                subprocess.run(cmd, timeout=a.timeout, check=False, env=os.environ.copy())
+                res_path = out / f"res_{size}_{system}.json"
+                res = json.loads(res_path.read_text()) if res_path.exists() else {"error": "no result file"}
+            except subprocess.TimeoutExpired:
+                res = {"error": f"timed out after {a.timeout} s"}
+            results[f"{size}_{system}"] = res
+            print(f"[{size}] {system} done in {time.perf_counter() - t0:.1f} s: "
+                  f"{ {k: v for k, v in res.items() if not isinstance(v, list)} }", flush=True)
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+            print(report(results, ceilings, wl, sizes), flush=True)
+    print("\n==== TABLE ====")
+    print(report(results, ceilings, wl, sizes))
+
+
+def measure_ceilings_safe() -> dict:
+    import torch
+
+    from gpu_flops import measure_ceilings
+
+    c = measure_ceilings(torch.device("cuda"))
+    torch.cuda.empty_cache()
+    return c
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Synthetic preference pairs on arithmetic where the right preference is known: the correct sum is
+chosen, a nearby wrong answer rejected, e.g. ``{"prompt": "12+7=", "chosen": "19", "rejected": "18"}``.
+
+Wrong answers are the near misses a policy makes: the correct value plus an offset drawn from
+``OFFSETS`` (off by one, two, ten, ...) or with one digit replaced, never negative, never correct.
+Pairs follow the arith task's train/eval split (``pipelines.arith.task.split_of``), so held-out
+pairs are about held-out problems.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+from pipelines.arith.task import all_problems
+
+OFFSETS = (-20, -11, -10, -9, -2, -1, 1, 2, 9, 10, 11, 20)
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer to ``answer`` (a non-negative integer string)."""
+    value = int(answer)
+    while True:
+        if rng.random() < 0.5:
+            candidate = value + rng.choice(OFFSETS)
+        else:
+            digits = list(answer)
+            i = rng.randrange(len(digits))
+            digits[i] = str(rng.randrange(10))
+            candidate = int("".join(digits))
+        if candidate >= 0 and candidate != value:
+            return str(candidate)
+
+
+def make_pairs(split: str, n: int, seed: int, pairs_per_problem: int = 1, **task) -> list[dict]:
+    """``n`` preference rows from the ``split`` problems of the arith task (``task``: its operand range)."""
+    rng = random.Random(seed)
+    problems = all_problems(split, **task)
+    rng.shuffle(problems)
+    rows = []
+    for prompt, answer in problems:
+        for _ in range(pairs_per_problem):
+            rows.append({"prompt": prompt, "chosen": answer, "rejected": wrong_answer(answer, rng)})
+            if len(rows) == n:
+                return rows
+    return rows
+
+
+def write_jsonl(path: str, rows: list[dict]) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path

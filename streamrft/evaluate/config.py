@@ -1,0 +1,58 @@
+"""The ``streamrft eval`` config: a typed section (unknown keys fail), YAML + dotted overrides or flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from streamrft.config import apply_overrides
+from streamrft.config.base import ConfigError, Section
+
+
+class EvalConfig(Section):
+    model_path: str = ""  # policy: a Hugging Face causal LM directory
+    data_path: str = ""  # benchmark rows (jsonl/parquet) with prompt_key and reference_key fields
+    format: Literal["arith", "gsm8k", "math", "choice"] = "gsm8k"  # answer extraction (streamrft.evaluate.answers)
+    prompt_key: str = "prompt"  # row field holding the prompt text
+    reference_key: str = "reference"  # row field holding the reference answer
+    prompt_template: str = "{prompt}"  # text given to the model; {prompt} is the row's prompt
+    n: int = 4  # samples per problem
+    k: int = 4  # the k of pass@k and maj@k (1 <= k <= n)
+    temperature: float = 1.0  # sampling temperature (> 0)
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    max_new_tokens: int = 256  # response length cap
+    max_batch_size: int = 256  # sequences decoded together
+    limit: int = 0  # evaluate the first `limit` problems only; 0 = all
+    seed: int = 0  # sampling seed (sample j of problem i uses seed * 1_000_003 + i * n + j)
+    output_path: str = "runs/eval/results.jsonl"  # per-problem results; the summary goes to <output>.summary.json
+
+
+def load_eval_config(path: str | Path | None, overrides: list[str] | None = None) -> EvalConfig:
+    from streamrft.config import _read_file
+
+    data = _read_file(Path(path)) if path else {}
+    apply_overrides(data, overrides or [])
+    try:
+        return msgspec.convert(data, EvalConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path or 'eval config'}: {exc}".replace("$.", "")) from None
+
+
+def validate_eval_config(cfg: EvalConfig) -> None:
+    """Raise ConfigError for settings that cannot run. Only raises."""
+    if not cfg.model_path or not (Path(cfg.model_path) / "config.json").is_file():
+        raise ConfigError(f"model_path={cfg.model_path!r} is not a Hugging Face model directory (no config.json)")
+    if not cfg.data_path or not Path(cfg.data_path).is_file():
+        raise ConfigError(f"data_path={cfg.data_path!r} does not exist; give the benchmark file")
+    if cfg.n < 1:
+        raise ConfigError(f"n={cfg.n} must be >= 1 (samples per problem)")
+    if not 1 <= cfg.k <= cfg.n:
+        raise ConfigError(f"k={cfg.k} must be in [1, n={cfg.n}]; raise n or lower k")
+    if cfg.temperature <= 0:
+        raise ConfigError(f"temperature={cfg.temperature} must be > 0 (use n=1 with a low temperature for near-greedy)")
+    if "{prompt}" not in cfg.prompt_template:
+        raise ConfigError(f"prompt_template={cfg.prompt_template!r} must contain {{prompt}}")
+    if cfg.limit < 0:
+        raise ConfigError(f"limit={cfg.limit} must be >= 0 (0 = all problems)")

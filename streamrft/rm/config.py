@@ -1,0 +1,94 @@
+"""The RM training config (``streamrft train-rm CONFIG [k=v ...]``): its own typed tree, unknown keys fail.
+
+Loaded like the RL config: YAML/TOML, then dotted overrides (``streamrft.config.apply_overrides``),
+then ``msgspec.convert`` into :class:`RMTrainConfig`; ``validate_rm_config`` only raises.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from streamrft.config import apply_overrides
+from streamrft.config.base import ConfigError, Section
+
+
+class RMModelConfig(Section):
+    path: str = ""  # backbone: a Hugging Face causal LM directory (SRM) / the judge's initial LM (GRM)
+    layer: int = -1  # SRM: hidden-state layer that is pooled (0 = embeddings, -1 = last)
+    pooling: Literal["last", "attention"] = "last"  # SRM: last non-pad token, or learned attention pooling
+    num_heads: int = 1  # SRM: linear reward heads; the reward is their mean, the loss their mean loss
+
+
+class RMDataConfig(Section):
+    train_path: str = ""  # jsonl/parquet: prompt, chosen, rejected[, margin, tie] (SRM); prompt, responses, judgment (GRM)
+    eval_path: str = ""  # held-out rows of the same shape; "" = hold out eval_fraction of train_path
+    eval_fraction: float = 0.1  # share of train rows held out when eval_path is ""
+
+
+class RMTrainSection(Section):
+    steps: int = 500  # optimizer steps
+    batch_size: int = 32  # pairs (SRM) or judgment rows (GRM) per step
+    lr: float = 1e-3  # AdamW learning rate (constant)
+    weight_decay: float = 0.0  # AdamW weight decay
+    loss: Literal["bradley_terry", "log_exp", "hps"] = "bradley_terry"  # SRM pair loss (streamrft.rm.losses)
+    temperature: float = 1.0  # hps loss temperature (> 0)
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    log_every: int = 50  # steps between log lines / train.jsonl records
+
+
+class GRMConfig(Section):
+    template: str = "Q:{prompt} A:{a} B:{b} V:"  # judge prompt for two responses ({prompt}, {a}, {b})
+    single_template: str = "Q:{prompt} A:{a} V:"  # judge prompt for one response (pointwise scores)
+    max_new_tokens: int = 8  # verdict length cap when judging
+
+
+class RMTrainConfig(Section):
+    kind: Literal["srm", "grm"] = "srm"  # scalar reward model or generative judge
+    seed: int = 0  # data order and head init
+    output_dir: str = "runs/rm"  # the trained RM directory (ScalarRewardModel / GenerativeJudge .from_pretrained)
+    model: RMModelConfig = msgspec.field(default_factory=RMModelConfig)
+    data: RMDataConfig = msgspec.field(default_factory=RMDataConfig)
+    train: RMTrainSection = msgspec.field(default_factory=RMTrainSection)
+    grm: GRMConfig = msgspec.field(default_factory=GRMConfig)
+
+
+def load_rm_config(path: str | Path | None, overrides: list[str] | None = None) -> RMTrainConfig:
+    """Read YAML/TOML, apply dotted overrides, type-check every key (unknown keys fail)."""
+    from streamrft.config import _read_file
+
+    data = _read_file(Path(path)) if path else {}
+    apply_overrides(data, overrides or [])
+    try:
+        return msgspec.convert(data, RMTrainConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path or 'rm config'}: {exc}".replace("$.", "")) from None
+
+
+def validate_rm_config(cfg: RMTrainConfig, check_paths: bool = True) -> None:
+    """Raise ConfigError for settings that cannot run. Only raises."""
+    t = cfg.train
+    if t.steps < 0 or t.batch_size < 1 or t.lr <= 0:
+        raise ConfigError(f"train.steps={t.steps} (>= 0), train.batch_size={t.batch_size} (>= 1), "
+                          f"train.lr={t.lr} (> 0): fix the one out of range")
+    if t.temperature <= 0:
+        raise ConfigError(f"train.temperature={t.temperature} must be > 0")
+    if cfg.model.num_heads < 1:
+        raise ConfigError(f"model.num_heads={cfg.model.num_heads} must be >= 1")
+    if not 0.0 < cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction} must be in (0, 1)")
+    if not cfg.model.path:
+        raise ConfigError("model.path is empty; set it to a Hugging Face causal LM directory")
+    if not cfg.data.train_path:
+        raise ConfigError("data.train_path is empty; set it to a jsonl/parquet file of training rows")
+    for key in ("{prompt}", "{a}", "{b}"):
+        if key not in cfg.grm.template:
+            raise ConfigError(f"grm.template={cfg.grm.template!r} lacks {key}")
+    if check_paths:
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            raise ConfigError(f"model.path={cfg.model.path} has no config.json; give a Hugging Face model directory")
+        for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
+            if value and not Path(value).is_file():
+                raise ConfigError(f"{key}={value} does not exist (relative to {Path.cwd()})")

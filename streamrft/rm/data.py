@@ -1,0 +1,104 @@
+"""Preference and judgment datasets (jsonl or parquet), checked row by row.
+
+Pairwise rows (SRM): ``{"prompt": str, "chosen": str, "rejected": str, "margin": float?, "tie": bool?}``.
+Judgment rows (GRM): ``{"prompt": str, "responses": [str, ...] (1 or 2), "judgment": str}``.
+A row missing a required field raises ``DataError("FILE: row I: missing field 'F' ...")`` with I the
+0-based row index (for jsonl, line I+1 when there are no blank lines).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamrft.data import DataError
+
+
+@dataclass
+class PreferencePair:
+    prompt: str
+    chosen: str
+    rejected: str
+    margin: float = 0.0  # used by the bradley_terry loss
+    tie: bool = False  # the two responses are equally good (see streamrft.rm.losses)
+
+
+@dataclass
+class JudgmentRow:
+    prompt: str
+    responses: list[str]  # 1 (pointwise score) or 2 (A/B comparison)
+    judgment: str  # the target verdict text, e.g. "[[A]]" or "[[1]]"
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Every row of a jsonl or parquet file as a dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: line {i + 1} is not JSON: {exc}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: line {i + 1} is not a JSON object")
+            rows.append(row)
+    return rows
+
+
+def _field(path, i: int, row: dict, name: str, kinds: tuple[type, ...], what: str):
+    if name not in row or row[name] is None:
+        raise DataError(f"{path}: row {i}: missing field {name!r} (each row needs {what})")
+    value = row[name]
+    if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+        raise DataError(f"{path}: row {i}: field {name!r} must be {' or '.join(k.__name__ for k in kinds)}, "
+                        f"got {type(value).__name__}")
+    return value
+
+
+def read_preference_pairs(path: str | Path) -> list[PreferencePair]:
+    what = "prompt, chosen, rejected"
+    pairs = []
+    for i, row in enumerate(read_rows(path)):
+        prompt, chosen, rejected = (_field(path, i, row, k, (str,), what) for k in ("prompt", "chosen", "rejected"))
+        margin = float(_field(path, i, row, "margin", (int, float), what)) if row.get("margin") is not None else 0.0
+        tie = bool(_field(path, i, row, "tie", (bool,), what)) if row.get("tie") is not None else False
+        pairs.append(PreferencePair(prompt, chosen, rejected, margin, tie))
+    if not pairs:
+        raise DataError(f"{path}: no rows; give at least one {{prompt, chosen, rejected}} row")
+    return pairs
+
+
+def read_judgments(path: str | Path) -> list[JudgmentRow]:
+    what = "prompt, responses, judgment"
+    out = []
+    for i, row in enumerate(read_rows(path)):
+        prompt = _field(path, i, row, "prompt", (str,), what)
+        responses = _field(path, i, row, "responses", (list,), what)
+        judgment = _field(path, i, row, "judgment", (str,), what)
+        if len(responses) not in (1, 2) or not all(isinstance(r, str) for r in responses):
+            raise DataError(f"{path}: row {i}: field 'responses' must be a list of 1 or 2 strings")
+        out.append(JudgmentRow(prompt, list(responses), judgment))
+    if not out:
+        raise DataError(f"{path}: no rows; give at least one {{prompt, responses, judgment}} row")
+    return out
+
+
+def split_holdout(rows: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """(train, eval): a seeded shuffle, the last ``ceil(eval_fraction * n)`` rows held out."""
+    rows = list(rows)
+    random.Random(seed).shuffle(rows)
+    n_eval = max(1, int(round(eval_fraction * len(rows))))
+    if n_eval >= len(rows):
+        raise DataError(f"{len(rows)} rows are too few to hold out {eval_fraction:.0%}; give data.eval_path")
+    return rows[:-n_eval], rows[-n_eval:]

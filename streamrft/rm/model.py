@@ -1,0 +1,135 @@
+"""ScalarRewardModel: a causal-LM backbone, a pooled hidden state, one or more linear reward heads.
+
+For a sequence x = prompt + response + eos with hidden states h^(l)_t (l = ``layer``; 0 is the
+embedding output, -1 the last layer), the pooled vector is
+
+    last:       v = h_T                       (T = the last non-pad position)
+    attention:  v = sum_t a_t h_t,  a = softmax_t(w . h_t)  over non-pad t
+
+and the heads give r_k = u_k . v + c_k (k < num_heads). The reward is mean_k r_k.
+
+A saved RM directory holds the backbone (``save_pretrained``, without the LM head), the tokenizer,
+``rm_heads.safetensors`` and ``rm.json`` (``{"kind": "srm", "layer", "pooling", "num_heads"}``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, AutoTokenizer
+
+RM_META = "rm.json"
+HEADS_FILE = "rm_heads.safetensors"
+
+
+def rm_kind(path: str | Path) -> str:
+    """``"srm"`` or ``"grm"`` from a trained RM directory's rm.json; ValueError when it is not one."""
+    meta = Path(path) / RM_META
+    if not meta.is_file():
+        raise ValueError(f"{path} is not a trained reward model directory (no {RM_META}); "
+                         "train one with `streamrft train-rm CONFIG`")
+    return json.loads(meta.read_text())["kind"]
+
+
+class ScalarRewardModel(torch.nn.Module):
+    def __init__(self, backbone: torch.nn.Module, tokenizer, layer: int = -1, pooling: str = "last",
+                 num_heads: int = 1) -> None:
+        super().__init__()
+        if pooling not in ("last", "attention"):
+            raise ValueError(f"pooling={pooling!r} must be 'last' or 'attention' (model.pooling)")
+        n_states = backbone.config.num_hidden_layers + 1
+        if not -n_states <= layer < n_states:
+            raise ValueError(f"layer={layer} is out of range for a backbone with {n_states} hidden states "
+                             f"(0 = embeddings .. {n_states - 1}, or negative from the end); set model.layer")
+        self.backbone = backbone
+        self.tokenizer = tokenizer
+        self.layer = layer
+        self.pooling = pooling
+        hidden = backbone.config.hidden_size
+        self.heads = torch.nn.Linear(hidden, num_heads)
+        torch.nn.init.normal_(self.heads.weight, std=1.0 / hidden ** 0.5)
+        torch.nn.init.zeros_(self.heads.bias)
+        self.attn = torch.nn.Linear(hidden, 1, bias=False) if pooling == "attention" else None
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads.out_features
+
+    @classmethod
+    def from_backbone(cls, path: str, layer: int = -1, pooling: str = "last", num_heads: int = 1,
+                      dtype: torch.dtype = torch.float32) -> "ScalarRewardModel":
+        """A fresh RM on a Hugging Face causal LM directory (the LM head is dropped)."""
+        backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        return cls(backbone, AutoTokenizer.from_pretrained(path), layer, pooling, num_heads)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "ScalarRewardModel":
+        """Load a directory written by :meth:`save_pretrained`."""
+        kind = rm_kind(path)
+        if kind != "srm":
+            raise ValueError(f"{path} holds a {kind!r} reward model, not a scalar one ('srm'); "
+                             "load it with streamrft.rm.judge.GenerativeJudge.from_pretrained")
+        meta = json.loads((Path(path) / RM_META).read_text())
+        model = cls.from_backbone(str(path), meta["layer"], meta["pooling"], meta["num_heads"], dtype)
+        model.load_state_dict(load_file(str(Path(path) / HEADS_FILE)), strict=False)
+        return model.to(device).eval()
+
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        own = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if not k.startswith("backbone.")}
+        save_file(own, str(path / HEADS_FILE))
+        meta = {"kind": "srm", "layer": self.layer, "pooling": self.pooling, "num_heads": self.num_heads}
+        (path / RM_META).write_text(json.dumps(meta))
+
+    def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids (B, L), attention_mask (B, L), right-padded: prompt + response + eos."""
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        seqs = []
+        for prompt, response in zip(prompts, responses, strict=True):
+            ids = self.tokenizer(prompt + response, add_special_tokens=False)["input_ids"]
+            seqs.append(ids + ([eos] if eos is not None else []))
+        length = max(len(s) for s in seqs)
+        ids_BL = torch.full((len(seqs), length), pad, dtype=torch.long)
+        mask_BL = torch.zeros((len(seqs), length), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids_BL[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            mask_BL[i, : len(s)] = 1
+        return ids_BL, mask_BL
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Per-head rewards (B, H)."""
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        h_BLD = out.hidden_states[self.layer]
+        mask_BL = attention_mask.bool()
+        if self.attn is None:
+            positions_BL = torch.arange(mask_BL.shape[1], device=mask_BL.device).expand_as(mask_BL)
+            last_B = torch.where(mask_BL, positions_BL, -1).max(dim=1).values
+            v_BD = h_BLD[torch.arange(h_BLD.shape[0], device=h_BLD.device), last_B]
+        else:
+            scores_BL = self.attn(h_BLD).squeeze(-1).masked_fill(~mask_BL, float("-inf"))
+            v_BD = (torch.softmax(scores_BL.float(), dim=1).to(h_BLD.dtype).unsqueeze(-1) * h_BLD).sum(dim=1)
+        return self.heads(v_BD)
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 64) -> list[float]:
+        """The reward (mean over heads) of every (prompt, response), in batches; eval mode."""
+        was_training = self.training
+        self.eval()
+        device = next(self.parameters()).device
+        out: list[float] = []
+        try:
+            for i in range(0, len(prompts), batch_size):
+                ids_BL, mask_BL = self.encode(prompts[i:i + batch_size], responses[i:i + batch_size])
+                out += self(ids_BL.to(device), mask_BL.to(device)).float().mean(dim=-1).tolist()
+        finally:
+            self.train(was_training)
+        return out

@@ -1,0 +1,137 @@
+"""RM training loops (one process): scalar RMs on preference pairs, generative judges on judgments.
+
+SRM: each step takes ``train.batch_size`` pairs, scores chosen and rejected in one forward (2B rows),
+and minimises the mean of ``PAIR_LOSSES[train.loss]`` over pairs and heads with AdamW.
+GRM: supervised next-token loss on the judgment tokens only (prompt tokens carry no loss), the same
+objective as :mod:`streamrft.learner.sft` with the judge prompt as the prompt.
+
+Both write ``output_dir`` (loadable RM) and ``output_dir/train.jsonl`` (loss and held-out accuracy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from streamrft.data import DataError
+from streamrft.rm.config import RMTrainConfig
+from streamrft.rm.data import PreferencePair, read_judgments, read_preference_pairs, split_holdout
+from streamrft.rm.losses import PAIR_LOSSES
+from streamrft.rm.model import ScalarRewardModel
+
+log = logging.getLogger(__name__)
+
+
+def pair_batch_loss(model: ScalarRewardModel, pairs: list[PreferencePair], loss: str,
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, r_chosen (B, H), r_rejected (B, H)) for one batch of pairs."""
+    prompts = [p.prompt for p in pairs] * 2
+    responses = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    device = next(model.parameters()).device
+    ids_BL, mask_BL = (t.to(device) for t in model.encode(prompts, responses))
+    r_2BH = model(ids_BL, mask_BL).float()
+    r_c, r_r = r_2BH[: len(pairs)], r_2BH[len(pairs):]
+    margin_B = torch.tensor([p.margin for p in pairs], device=device)
+    tie_B = torch.tensor([p.tie for p in pairs], device=device)
+    per_pair = PAIR_LOSSES[loss](r_c, r_r, margin=margin_B, tie=tie_B, temperature=temperature)
+    return per_pair.mean(), r_c, r_r
+
+
+@torch.no_grad()
+def srm_accuracy(model: ScalarRewardModel, pairs: list[PreferencePair], batch_size: int = 256) -> float:
+    """Held-out pairwise accuracy: share of non-tie pairs with reward(chosen) > reward(rejected)."""
+    strict = [p for p in pairs if not p.tie]
+    if not strict:
+        return float("nan")
+    r_c = model.score([p.prompt for p in strict], [p.chosen for p in strict], batch_size)
+    r_r = model.score([p.prompt for p in strict], [p.rejected for p in strict], batch_size)
+    return sum(c > r for c, r in zip(r_c, r_r)) / len(strict)
+
+
+def _split(cfg: RMTrainConfig, reader):
+    rows = reader(cfg.data.train_path)
+    if cfg.data.eval_path:
+        return rows, reader(cfg.data.eval_path)
+    return split_holdout(rows, cfg.data.eval_fraction, cfg.seed)
+
+
+def _log_record(out: Path, record: dict) -> None:
+    with open(out / "train.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train_srm(cfg: RMTrainConfig) -> dict:
+    """Train a ScalarRewardModel per ``cfg``; save it to ``cfg.output_dir``; return the summary."""
+    torch.manual_seed(cfg.seed)
+    train_pairs, eval_pairs = _split(cfg, read_preference_pairs)
+    model = ScalarRewardModel.from_backbone(cfg.model.path, cfg.model.layer, cfg.model.pooling, cfg.model.num_heads)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.jsonl").unlink(missing_ok=True)
+    t = cfg.train
+    optim = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    rng = random.Random(cfg.seed)
+    start = time.perf_counter()
+    model.train()
+    losses: list[float] = []
+    for step in range(1, t.steps + 1):
+        batch = [train_pairs[rng.randrange(len(train_pairs))] for _ in range(t.batch_size)]
+        loss, _, _ = pair_batch_loss(model, batch, t.loss, t.temperature)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optim.step()
+        losses.append(loss.item())
+        if t.log_every and (step % t.log_every == 0 or step == t.steps):
+            record = {"step": step, "loss": sum(losses[-t.log_every:]) / len(losses[-t.log_every:]),
+                      "seconds": round(time.perf_counter() - start, 2)}
+            _log_record(out, record)
+            log.info("train-rm step %d/%d loss %.4f", step, t.steps, record["loss"])
+    accuracy = srm_accuracy(model, eval_pairs)
+    model.save_pretrained(out)
+    summary = {"kind": "srm", "steps": t.steps, "final_loss": losses[-1] if losses else float("nan"),
+               "eval_pairwise_accuracy": accuracy, "n_train": len(train_pairs), "n_eval": len(eval_pairs),
+               "seconds": round(time.perf_counter() - start, 2), "output_dir": str(out)}
+    _log_record(out, summary)
+    return summary
+
+
+def train_grm(cfg: RMTrainConfig) -> dict:
+    """Fine-tune a GenerativeJudge per ``cfg`` (loss on the judgment tokens); save; return the summary."""
+    from streamrft.learner.sft import supervised_warmup
+    from streamrft.rm.judge import GenerativeJudge, judge_accuracy
+
+    torch.manual_seed(cfg.seed)
+    train_rows, eval_rows = _split(cfg, read_judgments)
+    sizes = {len(r.responses) for r in train_rows + eval_rows}
+    if len(sizes) != 1:
+        raise DataError(f"{cfg.data.train_path}: rows mix 1 and 2 responses; a judge is either pairwise (2) or "
+                        "pointwise (1), split the file")
+    judge = GenerativeJudge.from_base(cfg.model.path, cfg.grm, "pairwise" if sizes == {2} else "pointwise")
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.jsonl").unlink(missing_ok=True)
+    sft_rows = [{"prompt": judge.judge_prompt(r.prompt, r.responses), "reference": r.judgment} for r in train_rows]
+    start = time.perf_counter()
+    t = cfg.train
+    losses = supervised_warmup(judge.model, judge.tokenizer, sft_rows, steps=t.steps, lr=t.lr,
+                               batch_size=t.batch_size, seed=cfg.seed, log_every=t.log_every)
+    for i in range(t.log_every - 1 if t.log_every else len(losses), len(losses), t.log_every or 1):
+        window = losses[max(0, i + 1 - t.log_every): i + 1]
+        _log_record(out, {"step": i + 1, "loss": sum(window) / len(window)})
+    accuracy = judge_accuracy(judge, eval_rows)
+    judge.save_pretrained(out)
+    summary = {"kind": "grm", "steps": t.steps, "final_loss": losses[-1] if losses else float("nan"),
+               "eval_verdict_accuracy": accuracy, "n_train": len(train_rows), "n_eval": len(eval_rows),
+               "seconds": round(time.perf_counter() - start, 2), "output_dir": str(out)}
+    _log_record(out, summary)
+    return summary
+
+
+TRAINERS = {"srm": train_srm, "grm": train_grm}  # RM config `kind` -> training loop

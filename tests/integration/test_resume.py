@@ -1,0 +1,153 @@
+"""Exact resume: a run killed with SIGKILL and resumed logs bitwise the same steps as an uninterrupted run
+(FSDP2 on gloo, 1 rank via the CLI and 2 ranks via launch/colocate.sh); SIGTERM saves the last step."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from streamrft.checkpoint import complete_checkpoints, read_meta
+from tests.integration.conftest import REPO, arith_overrides, free_port
+
+pytestmark = pytest.mark.slow
+CONFIG = REPO / "pipelines" / "arith" / "config.yaml"
+MAX_STEPS = 4
+# kl_coef > 0 (KL in the loss) makes every step's loss and gradient non-zero once the policy has moved.
+SETTINGS = ("train.deterministic=true", "algorithm.kl_coef=0.05", "data.eval_size=8", "rollout.prompts_per_step=4")
+NOT_COMPARED = re.compile(r"seconds|per_s$")  # timings
+
+
+def env_one_thread() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def command(arith_dir, out: Path, ranks: int, *extra: str) -> tuple[list[str], dict]:
+    overrides = arith_overrides(arith_dir, out, *SETTINGS, f"train.max_steps={MAX_STEPS}", *extra)
+    if ranks == 1:
+        return [sys.executable, "-m", "streamrft.cli", "train", str(CONFIG), *overrides], env_one_thread()
+    env = dict(env_one_thread(), NPROC_PER_NODE=str(ranks), MASTER_PORT=str(free_port()))
+    # A copy of the config away from pipelines/arith: colocate.sh then skips prepare.py (the fixture
+    # already prepared everything, and prepare.py reads the first override as its out_dir).
+    config = out.parent / f"{out.name}.yaml"
+    config.write_text(CONFIG.read_text())
+    return [str(REPO / "launch" / "colocate.sh"), str(config), *overrides], env
+
+
+def run(cmd_env) -> str:
+    cmd, env = cmd_env
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def steps_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (torchrun starts its workers in their own sessions, so a process
+    group kill would miss them), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def sigkill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the workers, then the launcher, and reap what we can (a crash of the whole job)."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(30)
+
+
+def kill_after_first_checkpoint(cmd_env, out: Path) -> None:
+    """Start the run; SIGKILL it and its workers once step 1 is logged (its checkpoint, written before
+    the log line, is then complete)."""
+    cmd, env = cmd_env
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        log = out / "steps.jsonl"
+        while not (log.exists() and log.read_text().count("\n") >= 1):
+            assert proc.poll() is None, f"run ended (rc {proc.returncode}) before its first step"
+            assert time.monotonic() < deadline, "no step within 180 s"
+            time.sleep(0.02)
+    finally:
+        sigkill_tree(proc)
+    deadline = time.monotonic() + 30  # orphaned workers (if any escaped) must not write on
+    while [p for p in descendants(os.getpid()) if p != proc.pid and Path(f"/proc/{p}/cmdline").exists()
+           and b"streamrft.cli" in Path(f"/proc/{p}/cmdline").read_bytes()]:
+        assert time.monotonic() < deadline, "workers of the killed run are still alive"
+        time.sleep(0.1)
+
+
+def assert_resume_is_exact(arith_dir, tmp_path, ranks: int) -> None:
+    ref, res = tmp_path / "uninterrupted", tmp_path / "resumed"
+    run(command(arith_dir, ref, ranks))
+    kill_after_first_checkpoint(command(arith_dir, res, ranks, "checkpoint.save_every=1"), res)
+    start = complete_checkpoints(res)[-1][0]
+    assert 1 <= start < MAX_STEPS, f"killed too late: checkpoint of step {start}"
+    stdout = run(command(arith_dir, res, ranks, "checkpoint.save_every=1"))
+    assert f"resumed from {res / 'checkpoints' / f'step_{start:08d}'} at step {start}" in stdout
+    expected, got = steps_of(ref), steps_of(res)
+    assert [s["step"] for s in got] == list(range(1, MAX_STEPS + 1))
+    for a, b in zip(expected, got):
+        compared = {k: v for k, v in a.items() if not NOT_COMPARED.search(k)}
+        assert compared == {k: b[k] for k in compared}, f"step {a['step']} differs"
+    assert any(s["grad_norm"] > 0 for s in got[start:]), "the resumed steps never moved the weights"
+    assert read_meta(complete_checkpoints(res)[-1][1])["step"] == MAX_STEPS
+
+
+def test_a_killed_one_rank_run_resumes_bitwise_like_an_uninterrupted_one(arith_dir, tmp_path):
+    assert_resume_is_exact(arith_dir, tmp_path, ranks=1)
+
+
+def test_a_killed_two_rank_run_resumes_bitwise_like_an_uninterrupted_one(arith_dir, tmp_path):
+    assert_resume_is_exact(arith_dir, tmp_path, ranks=2)
+
+
+def test_sigterm_saves_the_last_completed_step_and_exits_cleanly(arith_dir, tmp_path):
+    cmd, env = command(arith_dir, tmp_path, 1, "train.max_steps=1000")
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if line.startswith("step 2/"):
+                break
+            assert time.monotonic() < deadline, "no second step within 120 s"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130, out[-3000:]
+    assert "stopped by SIGTERM on rank 0; sockets closed" in out
+    ((step, path),) = complete_checkpoints(tmp_path)  # save_every=0: only the signal's checkpoint
+    meta = read_meta(path)
+    assert step >= 2 and meta["reason"] == "signal" and meta["policy_version"] == step
+    assert f"saved {path} on signal" in out
