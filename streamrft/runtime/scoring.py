@@ -40,7 +40,11 @@ class _ConcurrentStage(Stage):
         self.failure = asyncio.get_running_loop().create_future()
         while True:
             receive = asyncio.ensure_future(self.recv())
-            await asyncio.wait({receive, self.failure}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait({receive, self.failure}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not receive.done():
+                    receive.cancel()
             if self.failure.done():
                 receive.cancel()
                 for task in self.tasks:

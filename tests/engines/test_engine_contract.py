@@ -53,10 +53,13 @@ def reference(model_dir) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def new_weights(reference) -> dict[str, torch.Tensor]:
-    """A visibly different policy: every weight scaled and shifted by a fixed random perturbation."""
-    gen = torch.Generator().manual_seed(1)
-    return {n: (p + 0.5 * torch.randn(p.shape, generator=gen)).detach() for n, p in reference.state_dict().items()}
+def updated(model_dir) -> torch.nn.Module:
+    """A visibly different policy: every parameter shifted by fixed noise (tied weights stay tied)."""
+    model, gen = _load(model_dir), torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=gen))
+    return model
 
 
 def _cfg(**kw) -> EngineConfig:
@@ -145,10 +148,9 @@ def test_sampled_logprobs_equal_the_learners_recomputation_at_the_same_temperatu
 
 
 def test_after_a_weight_update_outputs_follow_the_new_weights_and_a_stale_version_is_refused(
-        engine, reference, model_dir, new_weights):
+        engine, reference, updated):
     greedy = _view(engine, top_k=1)
-    updated = _load(model_dir)
-    updated.load_state_dict(new_weights)
+    new_weights = {n: t.detach().clone() for n, t in updated.state_dict().items()}  # HF names, lm_head included
     names = list(new_weights)
     base = engine.policy_version
     try:
