@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -129,6 +130,8 @@ class StaticDecoder:
         B, Lp = len(prompts), max(len(p) for p in prompts)
         self.B, self.Lp, self.n_new, self.S = B, Lp, n_new, Lp + n_new
         dtype = self.p.embed.weight.dtype
+        self.inv_freq = self.p.rotary.inv_freq.to(device=device, dtype=torch.float32)
+        self.rope_scale = float(getattr(self.p.rotary, "attention_scaling", 1.0))
         ids_BL = torch.full((B, Lp), pad_id, dtype=torch.long)
         real_BL = torch.zeros((B, Lp), dtype=torch.bool)
         for i, p in enumerate(prompts):
@@ -153,7 +156,11 @@ class StaticDecoder:
 
     # ---- forward ---------------------------------------------------------------------------------
     def _layers(self, x_BTH: torch.Tensor, pos_BT: torch.Tensor, attend) -> torch.Tensor:
-        cos, sin = self.p.rotary(x_BTH, pos_BT)
+        # rotary embedding as the model's rotary_emb computes it, from a device copy of inv_freq (the
+        # module's buffer may sit on the CPU after an FSDP offload; a host copy cannot be graph-captured)
+        freqs_BTf = pos_BT[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs_BTf, freqs_BTf), dim=-1)
+        cos, sin = (emb.cos() * self.rope_scale).to(x_BTH.dtype), (emb.sin() * self.rope_scale).to(x_BTH.dtype)
         B, T, _ = x_BTH.shape
         for i, layer in enumerate(self.p.layers):
             attn = layer.self_attn
@@ -267,7 +274,11 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
                                 cfg.first_token_temperature, cfg.top_k, cfg.top_p, engine.device)
             dec.prefill()
             if cfg.cuda_graphs and n_new > 1:
-                dec.capture()
+                try:
+                    dec.capture()
+                except RuntimeError as exc:  # keep decoding without the graph, loudly
+                    warnings.warn(f"engine.cuda_graphs: capture failed ({exc}); decoding without CUDA graphs")
+                    dec.graph = None
         return dec
 
     def advance(dec: StaticDecoder, n: int) -> torch.Tensor:

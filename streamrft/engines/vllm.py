@@ -146,6 +146,18 @@ class LayerBuffer:
         return sorted(self.held)
 
 
+def _refresh_tied_head(worker) -> None:
+    """Runs in each worker (collective_rpc, in process): re-run the LM head's post-load processing.
+
+    vLLM skips ``lm_head.weight`` when embeddings are tied, but the CPU backend packs a separate GEMM copy
+    of the head weight at load time (``dispatch_cpu_unquantized_gemm``); without this the logits keep
+    using the old embedding after a push."""
+    head = worker.model_runner.model.lm_head
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+
+
 @dataclass
 class _Call:
     """One generate() call: its requests by vLLM request id and the queue its samples arrive on."""
@@ -359,6 +371,8 @@ class VLLMEngine:
             if ready:
                 await asyncio.to_thread(inproc.llm.collective_rpc, "reload_weights",
                                         kwargs={"weights_iterator": ready, "is_checkpoint_format": True})
+                if inproc.buffer.tied and any(name == TIED_EMBED for name, _ in ready):
+                    await asyncio.to_thread(inproc.llm.collective_rpc, _refresh_tied_head)
         self.policy_version = version
         self.timings["weight_push"] = time.perf_counter() - started
 

@@ -37,7 +37,7 @@ def train_rm_main(argv: list[str]) -> int:
         from streamrft.rm.train import TRAINERS
 
         summary = TRAINERS[cfg.kind](cfg)
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, ValueError) as exc:
         print(f"streamrft train-rm: error: {exc}", file=sys.stderr)
         return 2
     print("summary: " + json.dumps(summary), flush=True)

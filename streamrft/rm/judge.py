@@ -90,7 +90,8 @@ class GenerativeJudge:
     def check_tokenizer(self) -> None:
         """ValueError when the tokenizer cannot spell the templates or verdicts (a char tokenizer drops
         characters outside its alphabet, which would silently change what the judge reads)."""
-        for text in (self.cfg.template, self.cfg.single_template, "[[A]][[B]]"):
+        filled = (self.cfg.template.format(prompt="", a="", b=""), self.cfg.single_template.format(prompt="", a=""))
+        for text in (*filled, "[[A]][[B]]"):
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             back = self.tokenizer.decode(ids)
             if back != text:

@@ -91,12 +91,25 @@ class Pipeline:
             for task in (generate, batch):
                 if not task.done():
                     task.cancel()
+                    # Its late exception (ChannelClosed at shutdown) is expected: mark it retrieved.
+                    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def stop(self, reason: str = "done") -> None:
-        """Cancel stage tasks and close every socket (linger 0): nothing is left behind."""
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop every stage and close every socket (linger 0): nothing is left behind.
+
+        Sockets close before the tasks are awaited, so a stage blocked in recv gets ChannelClosed
+        even if its cancellation was swallowed (asyncio.wait_for in Python 3.11 can lose a cancel
+        that races with its inner future)."""
         for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
         for sock in self._sockets:
             sock.close()
+        if self.tasks:
+            done, pending = await asyncio.wait(self.tasks, timeout=timeout_s)
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # retrieved: the run already reported the first failure
+            if pending:
+                names = sorted(self.tasks[t] for t in pending)
+                raise StageError(f"rank {self.ctx.rank}: stages {names} did not stop within {timeout_s}s")
         self.tasks.clear()
