@@ -89,6 +89,14 @@ def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:
     validate_rollout(cfg, world_size)
     validate_engine(cfg)
     validate_train(cfg)
+    from streamrft.learner.lora import validate_lora
+
+    try:
+        validate_lora(cfg.model)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.train.critic_lr <= 0:
+        raise ConfigError(f"train.critic_lr={cfg.train.critic_lr} must be > 0")
     from streamrft.algorithms.validate import validate_algorithm
 
     validate_algorithm(cfg)

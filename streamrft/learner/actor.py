@@ -19,6 +19,7 @@ from streamrft.algorithms import (
 )
 from streamrft.algorithms.filters import high_entropy_token_mask
 from streamrft.learner.microbatch import SequenceSample, make_microbatches, padding_microbatch
+from streamrft.learner.packing import make_packed_microbatches, n_sequences, rows_by_sample, scatter_by_sample
 from streamrft.runtime.distributed import all_reduce_max
 from streamrft.runtime.feed import TrainSample
 
@@ -44,22 +45,18 @@ def _pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rows_from_microbatches(mbs, key: str, n: int) -> list[torch.Tensor]:
-    """Per-sample response vectors of a (B, L) field, gathered back into sample order."""
+    """Per-sample response vectors of a per-token field, gathered back into sample order
+    (packed or unpacked microbatches; padding microbatches give nothing)."""
     rows: list[torch.Tensor | None] = [None] * n
     for mb in mbs:
-        for i, idx in enumerate(mb["sample_index"].tolist()):
-            if idx >= 0:  # -1 marks a padding microbatch
-                rows[idx] = mb[key][i][mb["response_mask"][i].bool()].float()
+        for idx, values in rows_by_sample(mb, key).items():
+            rows[idx] = values.float()
     return rows  # type: ignore[return-value]
 
 
 def _scatter_rows(mbs, key: str, rows: list[torch.Tensor]) -> None:
     for mb in mbs:
-        field = torch.zeros_like(mb["response_mask"], dtype=torch.float32)
-        for i, idx in enumerate(mb["sample_index"].tolist()):
-            if idx >= 0:
-                field[i][mb["response_mask"][i].bool()] = rows[idx]
-        mb[key] = field
+        scatter_by_sample(mb, key, rows)
 
 
 class ActorUpdate:
@@ -85,7 +82,8 @@ class ActorUpdate:
             if s.teacher_logprobs is not None:
                 tensors["teacher_logprobs"] = s.teacher_logprobs
             seqs.append(SequenceSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, tensors=tensors))
-        mbs = make_microbatches(seqs, self.cfg.train.micro_batch_tokens) if seqs else []
+        pack = make_packed_microbatches if self.cfg.train.packing else make_microbatches
+        mbs = pack(seqs, self.cfg.train.micro_batch_tokens) if seqs else []
         # Every rank must run the same number of forwards (FSDP all-gathers inside each one):
         # ranks with fewer microbatches add empty ones (no response tokens, loss 0).
         n_max = int(all_reduce_max(torch.tensor([len(mbs)]), stage="count_microbatches").item())
@@ -138,7 +136,7 @@ class ActorUpdate:
         for _epoch in range(self.cfg.train.ppo_epochs):
             for mini in _split(mbs, self.cfg.train.mini_batches_per_step):
                 mini_tokens = self._global(sum(float(mb["response_mask"].sum()) for mb in mini))
-                mini_seqs = self._global(sum(int((mb["sample_index"] >= 0).sum()) for mb in mini))
+                mini_seqs = self._global(sum(n_sequences(mb) for mb in mini))
                 for mb in mini:
                     stats = self.strategy.forward_backward(
                         mb, self._loss_fn(mini_tokens, mini_seqs), self.temperature, with_entropy=True

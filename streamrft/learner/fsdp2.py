@@ -111,6 +111,11 @@ class FSDP2Strategy:
             raise ValueError("model.dtype='float16' is not supported on CPU; use 'float32' or 'bfloat16'")
         model = load_pretrained(model_cfg.path, model_cfg, torch.float32)  # fp32 master weights
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
+        self.model_cfg = model_cfg
+        if model_cfg.lora_rank > 0:
+            from streamrft.learner.lora import apply_lora
+
+            apply_lora(model, model_cfg)  # before the freeze: adapters under a frozen prefix stay frozen
         _apply_freeze_prefix(model, model_cfg.freeze_prefix)
         if model_cfg.gradient_checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
@@ -229,8 +234,12 @@ class FSDP2Strategy:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, value in self.module.state_dict().items():
-            full = value.full_tensor() if isinstance(value, DTensor) else value
+        named = ((n, v.full_tensor() if isinstance(v, DTensor) else v) for n, v in self.module.state_dict().items())
+        if self.model_cfg.lora_rank > 0:
+            from streamrft.learner.lora import lora_scaling, merge_lora_named_tensors
+
+            named = merge_lora_named_tensors(named, lora_scaling(self.model_cfg))  # adapters folded in
+        for name, full in named:
             full = full.to(self.compute_dtype) if full.is_floating_point() else full
             bucket.append((name, full))
             size += full.numel() * full.element_size()

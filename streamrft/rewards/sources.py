@@ -7,6 +7,7 @@ is picked by ``reward.sources[*].type`` through the explicit :data:`SOURCE_BUILD
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -38,9 +39,10 @@ class LocalFunctionBackend:
 
 def resolve_reward_function(spec: str) -> RewardFunction:
     """A built-in rule name (see RULES), a custom ``module:function`` / ``file.py:function`` spec, or
-    ``model:DIR``: a reward model trained by ``streamrft train-rm`` (streamrft.rm.reward.ModelReward,
-    which has the same ``name`` / ``async score(items)`` shape)."""
-    if spec.startswith("model:"):
+    ``model:DIR`` with DIR an existing directory: a reward model trained by ``streamrft train-rm``
+    (streamrft.rm.reward.ModelReward, which has the same ``name`` / ``async score(items)`` shape). A
+    ``model:name`` whose DIR is not a directory is read as a custom function in a module called ``model``."""
+    if spec.startswith("model:") and os.path.isdir(spec.removeprefix("model:")):
         from streamrft.rm.reward import ModelReward
 
         return ModelReward(spec.removeprefix("model:"))  # type: ignore[return-value]

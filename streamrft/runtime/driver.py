@@ -71,8 +71,11 @@ def build_run(cfg: Config, dist) -> Run:
     if cfg.algorithm.kl_coef > 0:
         reference = FrozenReference(cfg.model.reference_path or cfg.model.path, cfg.model, dist)
     tokenizer = strategy.tokenizer
-    engine = build_engine(cfg.engine, strategy.module, tokenizer, dist.device)
-    eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)
+    engine = build_engine(cfg.engine, strategy.module, tokenizer, dist.device, model_path=cfg.model.path)
+    if hasattr(engine, "with_config"):  # vllm / sglang: a second view of the same engine, not a second engine
+        eval_engine = engine.with_config(greedy_engine_config(cfg.engine))
+    else:
+        eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)
     scorer = build_reward_scorer(cfg.reward)
     teacher = build_teacher_client(cfg.teacher, cfg.reward.timeout_s, cfg.reward.retries)
     accounting = Accounting(rank=dist.rank)
@@ -80,7 +83,7 @@ def build_run(cfg: Config, dist) -> Run:
     ctx = StageContext(rank=dist.rank, stage_timeout_s=cfg.rollout.stage_timeout_s, accounting=accounting, fail_fast=cfg.fail_fast, metrics=metrics)
     run_id = uuid.uuid4().hex[:8]
     pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, teacher, run_id=run_id, policy_version_fn=lambda: engine.policy_version)
-    phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level)
+    phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level, push_full_weights=cfg.engine.type != "hf")
     actor = ActorUpdate(strategy, reference, cfg, all_reduce_sum)
     checkpointer = Checkpointer(cfg, dist, strategy, accounting)
     return Run(cfg, dist, strategy, reference, engine, eval_engine, scorer, dataset, eval_dataset, pipeline, phase, actor, accounting, metrics, _build_loggers(cfg, dist), _build_sinks(cfg, dist, run_id), exporter, run_id, checkpointer)

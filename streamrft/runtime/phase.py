@@ -18,8 +18,12 @@ ROLLOUT, TRAIN = "rollout", "train"
 
 
 class PhaseController:
-    def __init__(self, strategy, engine, all_reduce_sum, metrics=None, sleep_level: int = 1):
+    def __init__(self, strategy, engine, all_reduce_sum, metrics=None, sleep_level: int = 1, push_full_weights: bool = False, bucket_bytes: int = 256 << 20):
         self.strategy, self.engine = strategy, engine
+        # The embedded hf engine runs the learner's own module: only the version moves. vLLM and
+        # SGLang hold their own copy: the full weights are pushed in buckets (every rank drains them).
+        self.push_full_weights, self.bucket_bytes = push_full_weights, bucket_bytes
+        self.pushed_bytes = 0
         self.all_reduce_sum = all_reduce_sum
         self.metrics = metrics
         self.sleep_level = sleep_level
@@ -48,7 +52,16 @@ class PhaseController:
         with self._timed("offload"):
             self.strategy.offload()
         with self._timed("weight_push"):
-            await self.engine.update_weights([], version)
+            if self.push_full_weights and version > 0:
+                self.pushed_bytes = 0
+                for bucket in self.strategy.full_state_for_engine(self.bucket_bytes):
+                    self.pushed_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                    await self.engine.update_weights(bucket, version)
+            else:
+                await self.engine.update_weights([], version)
+        if self.metrics is not None and self.pushed_bytes:
+            self.metrics.weight_sync_bytes.inc(self.pushed_bytes)
+            self.metrics.weight_sync_seconds.observe(self.timings["weight_push"])
         with self._timed("unshard"):
             self.strategy.unshard_for_rollout()
         with self._timed("wake"):

@@ -50,3 +50,17 @@ def test_answers_are_checked_against_references_per_format():
     assert not FORMATS["math"].check("2", "0.5")
     assert FORMATS["choice"].check("b", "(B)")
     assert FORMATS["arith"].check("7", " 7")
+
+
+def test_the_shipped_eval_config_loads_and_names_real_fields():
+    import json
+    from pathlib import Path
+
+    from streamrft.evaluate.config import load_eval_config
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_eval_config(root / "pipelines" / "math_eval" / "gsm8k.yaml", ["n=4", "k=2"])
+    assert (cfg.format, cfg.n, cfg.k) == ("gsm8k", 4, 2)
+    first = json.loads((root / cfg.data_path).read_text().splitlines()[0])
+    assert FORMATS[cfg.format].check(FORMATS[cfg.format].extract(first[cfg.reference_key]), first[cfg.reference_key])
+    assert "{prompt}" in cfg.prompt_template and cfg.prompt_key in first

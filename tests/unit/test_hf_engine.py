@@ -204,7 +204,7 @@ def test_build_engine_picks_the_hf_engine_by_name_with_the_tokenizers_eos_and_pa
 
     tok = build_char_tokenizer(str(tmp_path), "0123456789+-= ")
     engine = build_engine(EngineConfig(type="hf", stop_token_ids=[5]), model, tok, torch.device("cpu"))
-    assert isinstance(engine, HFEngine) and set(ENGINES) == {"hf"}
+    assert isinstance(engine, HFEngine) and set(ENGINES) == {"hf", "vllm", "sglang"}
     assert engine.stop_token_ids == {EOS, 5} and engine.pad_token_id == PAD
     with pytest.raises(ValueError, match="engine.type='vllm'"):
         build_engine(EngineConfig(type="vllm"), model, tok, torch.device("cpu"))
