@@ -95,6 +95,11 @@ def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:
         validate_lora(cfg.model)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.model.critic_path and cfg.algorithm.advantage_estimator != "gae":
+        raise ConfigError(
+            f"model.critic_path={cfg.model.critic_path} is set but algorithm.advantage_estimator="
+            f"{cfg.algorithm.advantage_estimator} does not use a critic; set advantage_estimator=gae or clear critic_path"
+        )
     if cfg.train.critic_lr <= 0:
         raise ConfigError(f"train.critic_lr={cfg.train.critic_lr} must be > 0")
     from streamrft.algorithms.validate import validate_algorithm

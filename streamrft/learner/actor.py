@@ -60,8 +60,9 @@ def _scatter_rows(mbs, key: str, rows: list[torch.Tensor]) -> None:
 
 
 class ActorUpdate:
-    def __init__(self, strategy, reference, cfg, all_reduce_sum):
+    def __init__(self, strategy, reference, cfg, all_reduce_sum, critic=None):
         self.strategy, self.reference, self.cfg = strategy, reference, cfg
+        self.critic = critic  # value model for estimators that need one (gae)
         self.algo = cfg.algorithm
         self.all_reduce_sum = all_reduce_sum
         self.estimator = ADVANTAGE_ESTIMATORS[self.algo.advantage_estimator]
@@ -105,13 +106,18 @@ class ActorUpdate:
             kl_rows = [k for k in _rows_from_microbatches(mbs, "kl_tokens", n)]
             kl_BT, _ = _pad_rows(kl_rows)
             token_rewards = -self.kl_coef * kl_BT
+        values_BT = None
+        if self.estimator.needs_critic:
+            values_BT, _ = _pad_rows(_rows_from_microbatches(mbs, "old_values", n))
         out = self.estimator.fn(
-            AdvantageInputs(rewards=rewards, group_index=group_index, response_mask=mask_BT, token_rewards=token_rewards, values=None),
+            AdvantageInputs(rewards=rewards, group_index=group_index, response_mask=mask_BT, token_rewards=token_rewards, values=values_BT),
             self.algo,
             self.all_reduce_sum,
         )
         rows = [out.advantages[i, : len(s.response_ids)] for i, s in enumerate(batch)]
         _scatter_rows(mbs, "advantages", rows)
+        if out.returns is not None and self.critic is not None:
+            _scatter_rows(mbs, "returns", [out.returns[i, : len(s.response_ids)] for i, s in enumerate(batch)])
 
     def train_step(self, batch: list[TrainSample]) -> dict[str, float]:
         """One step over this rank's samples: returns metrics already reduced over all ranks."""
@@ -126,6 +132,9 @@ class ActorUpdate:
                 mb["old_logp"] = old_logp
                 if "ref_logp" in mb:
                     mb["kl_tokens"] = self.kl_fn(old_logp, mb["ref_logp"]) * mb["response_mask"]
+        if self.critic is not None:
+            for mb in mbs:
+                mb["old_values"] = self.critic.values(mb).float().cpu()
         if self.estimator.scope == "batch":
             self._batch_advantages(batch, mbs)
 
@@ -156,6 +165,11 @@ class ActorUpdate:
             if f"{name}_sum" in reduced:
                 out[reported] = reduced.pop(f"{name}_sum") / max(n_tokens * updates, 1.0)
         out.update({k: float(v) for k, v in step_stats.items()})
+        if self.critic is not None:
+            critic_stats = self.critic.train_step(mbs, max(n_tokens, 1.0))
+            out["value_loss"] = self._global(critic_stats.pop("value_loss"))
+            out["value_clip_fraction"] = self._global(critic_stats.pop("vf_clipped_sum")) / max(n_tokens, 1.0)
+            out.update(critic_stats)
         out["train_tokens"] = n_tokens
         out["train_sequences"] = n_seqs
         return out

@@ -31,11 +31,12 @@ class RMDataConfig(Section):
 class RMTrainSection(Section):
     steps: int = 500  # optimizer steps
     batch_size: int = 32  # pairs (SRM) or judgment rows (GRM) per step
-    lr: float = 1e-3  # AdamW learning rate (constant)
-    weight_decay: float = 0.0  # AdamW weight decay
+    lr: float = 1e-3  # AdamW peak learning rate
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # SRM: constant, or cosine decay to 0 over train.steps
+    weight_decay: float = 0.0  # SRM: AdamW weight decay
     loss: Literal["bradley_terry", "log_exp", "hps"] = "bradley_terry"  # SRM pair loss (streamrft.rm.losses)
     temperature: float = 1.0  # hps loss temperature (> 0)
-    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    grad_clip: float = 1.0  # SRM: max global grad norm; 0 = off
     log_every: int = 50  # steps between log lines / train.jsonl records
 
 
@@ -75,6 +76,16 @@ def validate_rm_config(cfg: RMTrainConfig, check_paths: bool = True) -> None:
                           f"train.lr={t.lr} (> 0): fix the one out of range")
     if t.temperature <= 0:
         raise ConfigError(f"train.temperature={t.temperature} must be > 0")
+    if cfg.kind == "grm":
+        # The judge trains with the supervised warm-up loop (plain AdamW, constant lr): SRM-only keys must
+        # keep their defaults rather than be silently ignored.
+        defaults = RMTrainConfig()
+        for key in ("model.layer", "model.pooling", "model.num_heads", "train.loss", "train.temperature",
+                    "train.lr_schedule", "train.weight_decay", "train.grad_clip"):
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            if value != getattr(getattr(defaults, section), name):
+                raise ConfigError(f"{key}={value!r} applies to scalar RMs only (kind=srm); remove it for kind=grm")
     if cfg.model.num_heads < 1:
         raise ConfigError(f"model.num_heads={cfg.model.num_heads} must be >= 1")
     if not 0.0 < cfg.data.eval_fraction < 1.0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -53,6 +54,13 @@ def srm_accuracy(model: ScalarRewardModel, pairs: list[PreferencePair], batch_si
     return sum(c > r for c, r in zip(r_c, r_r)) / len(strict)
 
 
+def lr_factor(schedule: str, step: int, steps: int) -> float:
+    """Multiplier of the peak lr at 0-based ``step``: 1 (constant) or (1 + cos(pi * step / steps)) / 2."""
+    if schedule == "constant":
+        return 1.0
+    return 0.5 * (1.0 + math.cos(math.pi * min(step, steps) / max(1, steps)))
+
+
 def _split(cfg: RMTrainConfig, reader):
     rows = reader(cfg.data.train_path)
     if cfg.data.eval_path:
@@ -75,6 +83,7 @@ def train_srm(cfg: RMTrainConfig) -> dict:
     (out / "train.jsonl").unlink(missing_ok=True)
     t = cfg.train
     optim = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: lr_factor(t.lr_schedule, i, t.steps))
     rng = random.Random(cfg.seed)
     start = time.perf_counter()
     model.train()
@@ -87,6 +96,7 @@ def train_srm(cfg: RMTrainConfig) -> dict:
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         optim.step()
+        schedule.step()
         losses.append(loss.item())
         if t.log_every and (step % t.log_every == 0 or step == t.steps):
             record = {"step": step, "loss": sum(losses[-t.log_every:]) / len(losses[-t.log_every:]),

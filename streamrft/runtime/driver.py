@@ -84,7 +84,12 @@ def build_run(cfg: Config, dist) -> Run:
     run_id = uuid.uuid4().hex[:8]
     pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, teacher, run_id=run_id, policy_version_fn=lambda: engine.policy_version)
     phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level, push_full_weights=cfg.engine.type != "hf")
-    actor = ActorUpdate(strategy, reference, cfg, all_reduce_sum)
+    critic = None
+    if cfg.model.critic_path:
+        from streamrft.learner.critic import Critic
+
+        critic = Critic(cfg.model, cfg.train, cfg.algorithm.value_clip_eps, dist, cfg.train.max_steps)
+    actor = ActorUpdate(strategy, reference, cfg, all_reduce_sum, critic)
     checkpointer = Checkpointer(cfg, dist, strategy, accounting)
     return Run(cfg, dist, strategy, reference, engine, eval_engine, scorer, dataset, eval_dataset, pipeline, phase, actor, accounting, metrics, _build_loggers(cfg, dist), _build_sinks(cfg, dist, run_id), exporter, run_id, checkpointer)
 

@@ -45,6 +45,8 @@ class _ConcurrentStage(Stage):
             finally:
                 if not receive.done():
                     receive.cancel()
+                    # At shutdown its late ChannelClosed is expected: mark it retrieved.
+                    receive.add_done_callback(lambda t: t.cancelled() or t.exception())
             if self.failure.done():
                 receive.cancel()
                 for task in self.tasks:

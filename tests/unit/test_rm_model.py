@@ -99,3 +99,16 @@ def test_every_shipped_rm_pipeline_config_loads():
     root = Path(__file__).resolve().parents[2] / "pipelines"
     kinds = {load_rm_config(root / name / "config.yaml").kind for name in ("srm", "grm")}
     assert kinds == {"srm", "grm"}
+
+
+def test_srm_only_settings_are_refused_for_a_judge_instead_of_ignored(tmp_path):
+    cfg = load_rm_config(None, ["kind=grm", "model.path=x", "data.train_path=y", "train.lr_schedule=cosine"])
+    with pytest.raises(ConfigError, match="train.lr_schedule='cosine' applies to scalar RMs only"):
+        validate_rm_config(cfg, check_paths=False)
+
+
+def test_the_cosine_schedule_decays_from_the_peak_to_zero():
+    from streamrft.rm.train import lr_factor
+
+    assert [lr_factor("cosine", i, 4) for i in (0, 2, 4)] == pytest.approx([1.0, 0.5, 0.0])
+    assert lr_factor("constant", 3, 4) == 1.0
