@@ -91,6 +91,12 @@ def _combinations(cfg) -> None:
             f"algorithm.whiten_advantages=true needs a batch-scope estimator, but "
             f"algorithm.advantage_estimator={a.advantage_estimator} is group-scope; use reinforce, reinforce++ or gae"
         )
+    if a.reward_running_norm and est.scope == "group":
+        raise ConfigError(
+            f"algorithm.reward_running_norm=true needs a batch-scope estimator (its statistics are synchronised "
+            f"across ranks at train time), but algorithm.advantage_estimator={a.advantage_estimator} is group-scope; "
+            "use reinforce, reinforce++ or gae"
+        )
     if a.kl_mode == "reward" and a.kl_coef > 0 and a.advantage_estimator not in TOKEN_REWARD_ESTIMATORS:
         raise ConfigError(
             f"algorithm.kl_mode=reward would drop the KL: algorithm.advantage_estimator={a.advantage_estimator} "

@@ -15,7 +15,9 @@ from streamrft.algorithms import (
     POLICY_LOSSES,
     AdvantageInputs,
     PolicyLossInputs,
+    RunningMeanStd,
     aggregate_loss,
+    make_kl_controller,
 )
 from streamrft.algorithms.filters import high_entropy_token_mask
 from streamrft.learner.microbatch import SequenceSample, make_microbatches, padding_microbatch
@@ -69,7 +71,13 @@ class ActorUpdate:
         self.policy_loss = POLICY_LOSSES[self.algo.policy_loss]
         self.kl_fn = KL_ESTIMATORS[self.algo.kl_estimator]
         self.temperature = cfg.engine.temperature
-        self.kl_coef = self.algo.kl_coef
+        self.kl_ctl = make_kl_controller(self.algo)  # fixed or adaptive (algorithm.kl_ctl_type)
+        # Running reward statistics, identical on every rank (batch-scope estimators only).
+        self.reward_norm = RunningMeanStd(self.algo.norm_eps) if self.algo.reward_running_norm else None
+
+    @property
+    def kl_coef(self) -> float:
+        return float(self.kl_ctl.value)
 
     def _global(self, value: float) -> float:
         return float(self.all_reduce_sum(torch.tensor([float(value)], dtype=torch.float64)).item())
@@ -99,6 +107,9 @@ class ActorUpdate:
         group_of: dict[str, int] = {}
         group_index = torch.tensor([group_of.setdefault(s.header.completion.group_id, len(group_of)) for s in batch])
         rewards = torch.tensor([s.header.reward for s in batch], dtype=torch.float32)
+        if self.reward_norm is not None:
+            self.reward_norm.update(rewards, self.all_reduce_sum)
+            rewards = self.reward_norm.normalize(rewards)
         mask_rows = [torch.ones(len(s.response_ids)) for s in batch]
         _, mask_BT = _pad_rows(mask_rows)
         token_rewards = None
@@ -170,6 +181,10 @@ class ActorUpdate:
             out["value_loss"] = self._global(critic_stats.pop("value_loss"))
             out["value_clip_fraction"] = self._global(critic_stats.pop("vf_clipped_sum")) / max(n_tokens, 1.0)
             out.update(critic_stats)
+        if self.algo.kl_coef > 0:
+            out["kl_coef"] = self.kl_coef
+            kl_per_sequence = out["kl"] * n_tokens / max(n_seqs, 1.0)  # the adaptive target is per sequence
+            self.kl_ctl.update(kl_per_sequence, int(n_seqs))
         out["train_tokens"] = n_tokens
         out["train_sequences"] = n_seqs
         return out

@@ -14,6 +14,7 @@ import torch
 
 from protocols import Control, ScoredSample
 from streamrft.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from streamrft.algorithms import clip_rewards
 from streamrft.algorithms.filters import overlong_penalty, zero_variance_groups
 from streamrft.runtime.stage import Stage, StageContext
 
@@ -85,6 +86,10 @@ class AdvantageStage(Stage):
                 )
                 for (s, _), r in zip(ok, rewards.tolist()):
                     s.reward_components["overlong_penalty"] = r - s.reward
+                    s.reward = r
+            if self.algo.reward_clip > 0:
+                rewards = clip_rewards(rewards, self.algo.reward_clip)
+                for (s, _), r in zip(ok, rewards.tolist()):
                     s.reward = r
             if self.algo.dynamic_sampling and bool(
                 zero_variance_groups(rewards, torch.zeros(len(ok), dtype=torch.int64)).all()
