@@ -94,6 +94,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dic
         f"rollout.prompts_per_step={wl['prompts']}", f"rollout.n_samples_per_prompt={wl['samples']}",
         f"train.max_steps={steps}", "train.lr=1e-6", f"train.micro_batch_tokens={wl['micro_batch'] * (wl['prompt_len'] + wl['new'])}",
         "algorithm.advantage_estimator=group_norm", "algorithm.policy_loss=ppo_clip", "algorithm.kl_coef=0.0",
+        *os.environ.get("STREAMRFT_BENCH_EXTRA", "").split(),  # extra key=value overrides for an experiment
     ]
     cfg_path = out / f"cfg_{size}_{tag}.yaml"
     cfg_path.write_text("reward:\n  sources:\n    - name: rand\n      type: custom\n"

@@ -51,6 +51,12 @@ def _serve_teacher(argv: list[str]) -> int:
     return serve_teacher_main(argv)
 
 
+def _export(argv: list[str]) -> int:
+    from streamrft.checkpoint.export import export_main
+
+    return export_main(argv)
+
+
 def _trajectories(argv: list[str]) -> int:
     from streamrft.sinks.cli import trajectories_main
 
@@ -65,7 +71,12 @@ def _schema(_args: argparse.Namespace) -> int:
 
 
 # Subcommands whose argument parsing belongs to their own module (they run without torch).
-_PASSTHROUGH = {"serve-reward": _serve_reward, "serve-teacher": _serve_teacher, "trajectories": _trajectories}
+_PASSTHROUGH = {
+    "serve-reward": _serve_reward,
+    "serve-teacher": _serve_teacher,
+    "trajectories": _trajectories,
+    "export": _export,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema.set_defaults(func=_schema)
     sub.add_parser("serve-reward", help="serve a reward function over ZeroMQ or HTTP (see its --help)")
     sub.add_parser("serve-teacher", help="serve teacher log-probs for on-policy distillation (see its --help)")
+    sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint (see its --help)")
     sub.add_parser("trajectories", help="analyze or render trajectory files (see its --help)")
     return parser
 

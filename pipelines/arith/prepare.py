@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-train", type=int, default=4000)
     parser.add_argument("--n-eval", type=int, default=500)
     args, overrides = parser.parse_known_args(argv)
+    if args.out_dir and "=" in args.out_dir:  # a key=value override, not a folder (launch/colocate.sh)
+        overrides.insert(0, args.out_dir)
+        args.out_dir = None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.config:
         paths = prepare_from_config(args.config, overrides)

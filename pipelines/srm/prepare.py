@@ -1,7 +1,7 @@
 """Prepare the SRM demo: a backbone (the tiny arith model after a supervised warm-up) and
 train/eval preference pairs.
 
-    python pipelines/srm/prepare.py OUT_DIR [--seed 0] [--warmup-steps 1400]
+    python pipelines/srm/prepare.py OUT_DIR [--seed 0] [--warmup-steps 3000]
 
 Writes ``OUT_DIR/backbone`` (Hugging Face format), ``OUT_DIR/pairs_train.jsonl`` and
 ``OUT_DIR/pairs_eval.jsonl``. Idempotent: a step whose outputs exist is skipped. The backbone is the
@@ -49,13 +49,13 @@ def build_backbone(out_dir: str, seed: int, warmup_steps: int, alphabet: str = A
     return out_dir
 
 
-def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 1400, n_train: int = 8000, n_eval: int = 500) -> dict:
+def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 3000, n_train: int = 36000, n_eval: int = 500) -> dict:
     """Returns ``{"backbone", "train_path", "eval_path"}``."""
     out = Path(out_dir)
     backbone = build_backbone(str(out / "backbone"), seed, warmup_steps)
     train_path, eval_path = str(out / "pairs_train.jsonl"), str(out / "pairs_eval.jsonl")
     if not os.path.isfile(train_path):
-        write_jsonl(train_path, make_pairs("train", n_train, seed, **TASK))
+        write_jsonl(train_path, make_pairs("train", n_train, seed, pairs_per_problem=4, **TASK))
     if not os.path.isfile(eval_path):
         write_jsonl(eval_path, make_pairs("eval", n_eval, seed + 1, **TASK))
     return {"backbone": backbone, "train_path": train_path, "eval_path": eval_path}
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-steps", type=int, default=1400)
+    parser.add_argument("--warmup-steps", type=int, default=3000)
     args = parser.parse_args(argv)
     print(json.dumps(prepare(args.out_dir, args.seed, args.warmup_steps), indent=2))
 

@@ -5,13 +5,16 @@
 Steps (each skipped when its output exists): the SRM data and backbone (pipelines/srm/prepare.py,
 runs/srm), the SRM (`train-rm pipelines/srm/config.yaml`, runs/srm/rm), the arith policy
 (pipelines/arith/prepare.py, runs/srm/policy), then GRPO with ``reward.sources = [srm]``.
-The held-out accuracy is the exact-match rule on eval prompts (the RM never sees references).
-The last line is machine-readable:
-    srm-rl: rm_pairwise_accuracy=0.xx heldout_accuracy_before=0.xx heldout_accuracy_after=0.yy steps=N seconds=S
+The reported accuracy is greedy exact match against the references of the held-out eval prompts
+(``pipelines.arith.task.greedy_accuracy``), measured on the policy module before and after RL; the
+driver's own ``heldout_accuracy`` would count SRM rewards >= 1 instead, since the SRM is the only
+reward source. The RM never sees references. The last line is machine-readable:
+    srm-rl: rm_pairwise_accuracy=0.xx exact_match_before=0.xx exact_match_after=0.yy steps=N seconds=S
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -41,14 +44,26 @@ def main(argv: list[str]) -> int:
     rm_acc = evaluate_rm(rm_cfg.output_dir, rm_cfg.data.eval_path)["pairwise_accuracy"]
     config = str(HERE / "rl.yaml")
     prepare_from_config(config, argv)
-    from streamrft.runtime.driver import train
+    cfg = load_config(config, ["checkpoint.resume=false", *argv])
+    from pipelines.arith.task import greedy_accuracy, read_rows
+    from streamrft.config import validate_config
+    from streamrft.runtime.distributed import destroy_distributed, init_distributed
+    from streamrft.runtime.driver import build_run, train_loop
 
-    summary = train(load_config(config, argv))
-    print(json.dumps({k: v for k, v in summary.items() if "accuracy" in k or "reward" in k}), flush=True)
-    print(f"srm-rl: rm_pairwise_accuracy={rm_acc:.3f} "
-          f"heldout_accuracy_before={summary['heldout_accuracy_before']:.3f} "
-          f"heldout_accuracy_after={summary['heldout_accuracy_after']:.3f} steps={summary['steps']} "
-          f"seconds={time.perf_counter() - started:.0f}", flush=True)
+    eval_rows = read_rows(cfg.data.eval_path)
+    dist = init_distributed(timeout_s=cfg.rollout.stage_timeout_s)
+    try:
+        validate_config(cfg, dist.world_size)
+        run = build_run(cfg, dist)
+        tokenizer = run.strategy.tokenizer
+        before = greedy_accuracy(run.engine.module, tokenizer, eval_rows, max_new_tokens=6)
+        summary = asyncio.run(train_loop(run))
+        after = greedy_accuracy(run.engine.module, tokenizer, eval_rows, max_new_tokens=6)
+    finally:
+        destroy_distributed()
+    print(json.dumps({k: v for k, v in summary.items() if "reward" in k}), flush=True)
+    print(f"srm-rl: rm_pairwise_accuracy={rm_acc:.3f} exact_match_before={before:.3f} exact_match_after={after:.3f} "
+          f"n_eval={len(eval_rows)} steps={summary['steps']} seconds={time.perf_counter() - started:.0f}", flush=True)
     return 0
 
 

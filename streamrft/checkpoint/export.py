@@ -33,6 +33,9 @@ def load_policy_from_checkpoint(ckpt: str | Path):
 
     path = resolve_checkpoint(ckpt)
     meta = read_meta(path)
+    if meta.get("lora_rank", 0) > 0:
+        raise ValueError(f"{path} holds a LoRA run (model.lora_rank={meta['lora_rank']}); export merges full "
+                         "weights only for now")
     hf_dir = path / "hf"
     if not (hf_dir / "config.json").is_file():
         raise ValueError(f"{path} has no hf/config.json (written with every checkpoint); it is not a StreamRFT "

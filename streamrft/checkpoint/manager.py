@@ -58,9 +58,12 @@ class _Snapshot:
 
 
 class Checkpointer:
-    def __init__(self, cfg, dist, strategy, accounting):
+    def __init__(self, cfg, dist, strategy, accounting, models: dict[str, object] | None = None):
+        """``models``: further sharded models with their own ``save(path)/load(path)`` (e.g. the critic),
+        each saved in a subfolder of the checkpoint named by its key."""
         validate_checkpoint(cfg)
         self.cfg, self.dist, self.strategy, self.accounting = cfg, dist, strategy, accounting
+        self.models = dict(models or {})
         self.stateful: dict[str, object] = {"accounting": accounting}
         self.summary_before: dict[str, float] = {}  # the "before" evaluation, kept in meta.json
         self.saved_step: int | None = None  # the step of the newest checkpoint on disk, as far as we know
@@ -92,13 +95,15 @@ class Checkpointer:
                 f"world_size={self.dist.world_size}, seed={self.cfg.seed}; exact resume needs both equal: launch "
                 "with the same number of ranks and seed, or set checkpoint.resume=false with a new output_dir")
         self.strategy.load(str(latest))
+        for name, model in self.models.items():
+            model.load(str(latest / name))
         path = rank_file(latest, rank)
         state = json.loads(path.read_text())
         set_rng_state(state["rng"])
         for name, obj in self.stateful.items():
             if name not in state:
-                raise ValueError(f"{path} has no state for {name!r}; it was written by another version")
-            obj.load_state_dict(state[name])
+                raise ValueError(f"{path} has no state for {name!r}; was it saved with other algorithm settings?")
+            obj.load_state_dict(_from_json(state[name]))
         self.summary_before = meta.get("summary_before", {})
         self.saved_step = meta["step"]
         self._snapshot = _Snapshot(meta["step"], meta["policy_version"], state)
@@ -142,7 +147,7 @@ class Checkpointer:
         return path
 
     def _rank_state(self) -> dict:
-        state = {name: obj.state_dict() for name, obj in self.stateful.items()}
+        state = {name: _to_json(obj.state_dict()) for name, obj in self.stateful.items()}
         state["rng"] = rng_state()
         return state
 
@@ -154,6 +159,8 @@ class Checkpointer:
         write_json_atomic(rank_file(path, rank), snap.rank_state)
         started = time.perf_counter()
         self.strategy.save(str(path))  # a collective: returns on rank 0 once every rank's shards are written
+        for name, model in self.models.items():
+            model.save(str(path / name))
         if rank == 0:
             self._write_hf_files(path / "hf")
             write_meta(path, {
@@ -163,6 +170,8 @@ class Checkpointer:
                 "seed": self.cfg.seed,
                 "reason": reason,
                 "model_path": self.cfg.model.path,
+                "lora_rank": self.cfg.model.lora_rank,
+                "models": sorted(self.models),
                 "summary_before": self.summary_before,
                 "save_seconds": time.perf_counter() - started,
                 "saved_at": time.time(),
@@ -179,6 +188,21 @@ class Checkpointer:
     def _say(self, text: str) -> None:
         if self.dist.rank == 0:
             print(f"streamrft: {text}", flush=True)
+
+
+def _to_json(state: dict) -> dict:
+    """Tensors in a state dict as {"tensor": values, "dtype": name} (float64 -> float is exact)."""
+    import torch
+
+    return {k: {"tensor": v.tolist(), "dtype": str(v.dtype).removeprefix("torch.")} if isinstance(v, torch.Tensor)
+            else v for k, v in state.items()}
+
+
+def _from_json(state: dict) -> dict:
+    import torch
+
+    return {k: torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]))
+            if isinstance(v, dict) and set(v) == {"tensor", "dtype"} else v for k, v in state.items()}
 
 
 def reset_steps_log(path: str | Path, start_step: int) -> None:

@@ -25,3 +25,4 @@ class TrainConfig(Section):
     eval_every: int = 0  # evaluate every N steps; 0 = before and after only
     log_every: int = 1
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise resume checks
+    offload_between_phases: bool = True  # colocated: move optimizer state (and params) to host memory during rollout; false keeps them on the device (faster switch when memory allows)

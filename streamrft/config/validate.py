@@ -88,6 +88,9 @@ def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:
         validate_data(cfg)
     validate_rollout(cfg, world_size)
     validate_engine(cfg)
+    from streamrft.config.checkpoint import validate_checkpoint
+
+    validate_checkpoint(cfg)
     validate_train(cfg)
     from streamrft.learner.lora import validate_lora
 

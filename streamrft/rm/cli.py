@@ -99,5 +99,5 @@ def eval_rm_main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(train_rm_main(sys.argv[1:]) if sys.argv[1:2] != ["eval"] else eval_rm_main(sys.argv[2:]))
+if __name__ == "__main__":  # python -m streamrft.rm.cli CONFIG [k=v ...] is train-rm
+    sys.exit(train_rm_main(sys.argv[1:]))

@@ -83,14 +83,14 @@ def build_run(cfg: Config, dist) -> Run:
     ctx = StageContext(rank=dist.rank, stage_timeout_s=cfg.rollout.stage_timeout_s, accounting=accounting, fail_fast=cfg.fail_fast, metrics=metrics)
     run_id = uuid.uuid4().hex[:8]
     pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, teacher, run_id=run_id, policy_version_fn=lambda: engine.policy_version)
-    phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level, push_full_weights=cfg.engine.type != "hf")
+    phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level, push_full_weights=cfg.engine.type != "hf", offload=cfg.train.offload_between_phases)
     critic = None
     if cfg.model.critic_path:
         from streamrft.learner.critic import Critic
 
         critic = Critic(cfg.model, cfg.train, cfg.algorithm.value_clip_eps, dist, cfg.train.max_steps)
     actor = ActorUpdate(strategy, reference, cfg, all_reduce_sum, critic)
-    checkpointer = Checkpointer(cfg, dist, strategy, accounting)
+    checkpointer = Checkpointer(cfg, dist, strategy, accounting, models={"critic": critic} if critic else {})
     return Run(cfg, dist, strategy, reference, engine, eval_engine, scorer, dataset, eval_dataset, pipeline, phase, actor, accounting, metrics, _build_loggers(cfg, dist), _build_sinks(cfg, dist, run_id), exporter, run_id, checkpointer)
 
 
@@ -134,7 +134,7 @@ async def train_loop(run: Run) -> dict[str, float]:
     cfg, phase, pipeline = run.cfg, run.phase, run.pipeline
     started = time.perf_counter()
     await pipeline.start()
-    resumed = run.checkpointer.resume({"generator": pipeline.generator})  # None when starting fresh
+    resumed = run.checkpointer.resume(_stateful(run))  # None when starting fresh
     start = resumed.step if resumed else 0
     if run.dist.rank == 0:
         reset_steps_log(Path(cfg.output_dir) / "steps.jsonl", start)
@@ -173,6 +173,14 @@ async def train_loop(run: Run) -> dict[str, float]:
     summary.update(steps=cfg.train.max_steps, seconds=time.perf_counter() - started)
     summary.update(run.accounting.summary())
     return summary
+
+
+def _stateful(run: Run) -> dict:
+    """Per-rank state a checkpoint keeps beyond the models (see streamrft/checkpoint/manager.py)."""
+    objects = {"generator": run.pipeline.generator, "kl_ctl": run.actor.kl_ctl}
+    if run.actor.reward_norm is not None:
+        objects["reward_norm"] = run.actor.reward_norm
+    return objects
 
 
 async def _evaluate(run: Run) -> dict[str, float]:

@@ -18,8 +18,9 @@ ROLLOUT, TRAIN = "rollout", "train"
 
 
 class PhaseController:
-    def __init__(self, strategy, engine, all_reduce_sum, metrics=None, sleep_level: int = 1, push_full_weights: bool = False, bucket_bytes: int = 256 << 20):
+    def __init__(self, strategy, engine, all_reduce_sum, metrics=None, sleep_level: int = 1, push_full_weights: bool = False, bucket_bytes: int = 256 << 20, offload: bool = True):
         self.strategy, self.engine = strategy, engine
+        self.offload = offload  # train.offload_between_phases
         # The embedded hf engine runs the learner's own module: only the version moves. vLLM and
         # SGLang hold their own copy: the full weights are pushed in buckets (every rank drains them).
         self.push_full_weights, self.bucket_bytes = push_full_weights, bucket_bytes
@@ -50,7 +51,8 @@ class PhaseController:
         assert self.state == TRAIN, self.state
         started = time.perf_counter()
         with self._timed("offload"):
-            self.strategy.offload()
+            if self.offload:
+                self.strategy.offload()
         with self._timed("weight_push"):
             if self.push_full_weights and version > 0:
                 self.pushed_bytes = 0
@@ -85,7 +87,8 @@ class PhaseController:
         with self._timed("reshard"):
             self.strategy.reshard_after_rollout()
         with self._timed("reload"):
-            self.strategy.reload()
+            if self.offload:
+                self.strategy.reload()
         self.timings["rollout_to_train"] = time.perf_counter() - started
         if self.metrics is not None:
             self.metrics.phase_switch_seconds.labels(transition="rollout_to_train").observe(self.timings["rollout_to_train"])

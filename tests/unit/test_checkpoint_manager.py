@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from streamrft.algorithms import AdaptiveKLController, RunningMeanStd
 from streamrft.checkpoint import Checkpointer, complete_checkpoints, read_meta, step_dir
 from streamrft.checkpoint.layout import rank_file
 from streamrft.config import Config
@@ -106,15 +107,21 @@ def test_saves_every_n_steps_and_at_the_end_with_complete_meta(dist, model_dir, 
 def test_resume_restores_weights_optimizer_schedule_rng_and_counters_exactly(dist, model_dir, tmp_path):
     cfg = config(model_dir, tmp_path, save_every=2, keep=1)
     a, acc_a, counter_a, ckpt_a = parts(cfg, dist)
-    ckpt_a.resume({"generator": counter_a})
+    norm, kl = RunningMeanStd(), AdaptiveKLController(0.1, 6.0, 100, 0.2)
+    ckpt_a.resume({"generator": counter_a, "reward_norm": norm, "kl_ctl": kl})
     for step in (1, 2):
         train_step(a, acc_a, counter_a, step)
+        norm.update(torch.rand(5, dtype=torch.float64) / 3)
+        kl.update(step * 2.7, 9)
         ckpt_a.step_done(step, policy_version=step)
+    norm_at_2, kl_at_2 = norm.state_dict(), kl.value
     losses_a = [train_step(a, acc_a, counter_a, step) for step in (3, 4)]
 
     b, acc_b, counter_b, ckpt_b = parts(cfg, dist)
-    resumed = ckpt_b.resume({"generator": counter_b})
+    norm_b, kl_b = RunningMeanStd(), AdaptiveKLController(0.1, 6.0, 100, 0.2)
+    resumed = ckpt_b.resume({"generator": counter_b, "reward_norm": norm_b, "kl_ctl": kl_b})
     assert (resumed.step, resumed.policy_version, resumed.path) == (2, 2, step_dir(tmp_path, 2))
+    assert norm_b.state_dict() == norm_at_2 and kl_b.value == kl_at_2  # float64 tensors through JSON, exact
     assert counter_b.refills_used == 2 and acc_b.trained == 6
     losses_b = [train_step(b, acc_b, counter_b, step) for step in (3, 4)]
     assert losses_b == losses_a  # bitwise: same weights, Adam moments, LR step and RNG draw

@@ -112,3 +112,13 @@ def test_the_cosine_schedule_decays_from_the_peak_to_zero():
 
     assert [lr_factor("cosine", i, 4) for i in (0, 2, 4)] == pytest.approx([1.0, 0.5, 0.0])
     assert lr_factor("constant", 3, 4) == 1.0
+
+
+def test_the_srm_rl_config_validates_with_the_rm_as_its_only_reward():
+    from pathlib import Path
+
+    from streamrft.config import load_config, validate_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "pipelines" / "srm" / "rl.yaml")
+    validate_config(cfg, 1, check_paths=False)
+    assert [(s.type, s.model_path) for s in cfg.reward.sources] == [("model", "runs/srm/rm")]
