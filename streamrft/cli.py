@@ -57,6 +57,30 @@ def _export(argv: list[str]) -> int:
     return export_main(argv)
 
 
+def _train_rm(argv: list[str]) -> int:
+    from streamrft.rm.cli import train_rm_main
+
+    return train_rm_main(argv)
+
+
+def _eval_rm(argv: list[str]) -> int:
+    from streamrft.rm.cli import eval_rm_main
+
+    return eval_rm_main(argv)
+
+
+def _eval(argv: list[str]) -> int:
+    from streamrft.evaluate.cli import eval_main
+
+    return eval_main(argv)
+
+
+def _chat(argv: list[str]) -> int:
+    from streamrft.chat import chat_main
+
+    return chat_main(argv)
+
+
 def _trajectories(argv: list[str]) -> int:
     from streamrft.sinks.cli import trajectories_main
 
@@ -76,6 +100,10 @@ _PASSTHROUGH = {
     "serve-teacher": _serve_teacher,
     "trajectories": _trajectories,
     "export": _export,
+    "train-rm": _train_rm,
+    "eval-rm": _eval_rm,
+    "eval": _eval,
+    "chat": _chat,
 }
 
 
@@ -91,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     schema.set_defaults(func=_schema)
     sub.add_parser("serve-reward", help="serve a reward function over ZeroMQ or HTTP (see its --help)")
     sub.add_parser("serve-teacher", help="serve teacher log-probs for on-policy distillation (see its --help)")
+    sub.add_parser("train-rm", help="train a scalar or generative reward model: streamrft train-rm CONFIG (see its --help)")
+    sub.add_parser("eval-rm", help="pairwise accuracy of a reward model on a held-out split (see its --help)")
+    sub.add_parser("eval", help="pass@1, pass@k and maj@k of a policy on a benchmark file (see its --help)")
+    sub.add_parser("chat", help="a quick interactive check of a model directory (see its --help)")
     sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint (see its --help)")
     sub.add_parser("trajectories", help="analyze or render trajectory files (see its --help)")
     return parser

@@ -65,6 +65,14 @@ def _validate_by_type(src, where: str) -> None:
         raise ConfigError(
             f"{where}.type={src.type!r} is not available yet; choose one of {sorted(SOURCE_BUILDERS)}"
         )
+    if src.type == "model":
+        if not src.model_path:
+            raise ConfigError(f"{where}.model_path is empty; set it to a directory written by `streamrft train-rm`")
+        if not (Path(src.model_path) / "rm.json").is_file():
+            raise ConfigError(
+                f"{where}.model_path={src.model_path!r} is not a trained reward model (no rm.json); "
+                "train one with `streamrft train-rm CONFIG`"
+            )
     if src.type == "rule" and src.fn not in RULES:
         raise ConfigError(f"{where}.fn={src.fn!r} is not a rule; valid rules: {', '.join(sorted(RULES))}")
     if src.type == "custom":

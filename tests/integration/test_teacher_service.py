@@ -47,7 +47,7 @@ def local_logprobs(model_dir, ids: list[int], prompt_len: int) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0].double()
     logp = torch.log_softmax(logits, -1)
-    return torch.tensor([logp[t - 1, ids[t]].item() for t in range(prompt_len, len(ids))])
+    return torch.tensor([logp[t - 1, ids[t]].item() for t in range(prompt_len, len(ids))], dtype=torch.float64)
 
 
 def test_teacher_logprobs_equal_a_local_forward(arith_dir, teacher_service):

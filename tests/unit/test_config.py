@@ -78,15 +78,29 @@ def test_missing_model_path_is_rejected_with_the_key(tmp_path):
         validate_config(cfg, world_size=1)
 
 
-def test_every_shipped_training_config_loads_and_validates():
+def test_every_shipped_pipeline_config_loads_and_validates():
+    """Training configs, reward-model configs (top-level ``kind``) and eval configs (``model_path``)
+    each load through their own typed loader and validate."""
     import yaml
 
+    from streamrft.evaluate.config import load_eval_config, validate_eval_config
+    from streamrft.rm.config import load_rm_config, validate_rm_config
+
     configs = sorted((REPO / "pipelines").glob("*/*.yaml"))
-    train_configs = [p for p in configs if "kind" not in (yaml.safe_load(p.read_text()) or {})]
-    assert len(train_configs) >= 5, train_configs
-    for path in train_configs:
-        cfg = load_config(path)
-        validate_config(cfg, world_size=1, check_paths=False)
+    kinds = {"train": 0, "rm": 0, "eval": 0}
+    for path in configs:
+        top = yaml.safe_load(path.read_text()) or {}
+        if "kind" in top:
+            validate_rm_config(load_rm_config(path), check_paths=False)
+            kinds["rm"] += 1
+        elif "model_path" in top:
+            cfg = load_eval_config(path)  # typed: unknown keys and wrong types fail here
+            assert cfg.k <= cfg.n and "{prompt}" in cfg.prompt_template
+            kinds["eval"] += 1
+        else:
+            validate_config(load_config(path), world_size=1, check_paths=False)
+            kinds["train"] += 1
+    assert kinds["train"] >= 5 and kinds["rm"] >= 2 and kinds["eval"] >= 1, kinds
 
 
 def test_exponent_numbers_without_a_dot_are_numbers():

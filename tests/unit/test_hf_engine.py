@@ -206,5 +206,5 @@ def test_build_engine_picks_the_hf_engine_by_name_with_the_tokenizers_eos_and_pa
     engine = build_engine(EngineConfig(type="hf", stop_token_ids=[5]), model, tok, torch.device("cpu"))
     assert isinstance(engine, HFEngine) and set(ENGINES) == {"hf", "vllm", "sglang"}
     assert engine.stop_token_ids == {EOS, 5} and engine.pad_token_id == PAD
-    with pytest.raises(ValueError, match="engine.type='vllm'"):
+    with pytest.raises(ValueError, match="engine.type=vllm in process needs the model directory"):
         build_engine(EngineConfig(type="vllm"), model, tok, torch.device("cpu"))

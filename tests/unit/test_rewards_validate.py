@@ -36,7 +36,7 @@ def test_a_valid_section_passes(tmp_path):
         ({"name": "c", "type": "rule", "fn": "arith", "weight": float("nan")}, "weight=nan must be a finite"),
         ({"name": "c", "type": "rule", "fn": "arith", "labels": ["a"], "label_weights": {"b": 1.0}},
          "names label 'b', which is not in its labels"),
-        ({"name": "c", "type": "model", "model_path": "x"}, "type='model' is not available yet"),
+        ({"name": "c", "type": "model", "model_path": "x"}, r"model_path='x' is not a trained reward model \(no rm.json\)"),
         ({"name": "", "type": "rule", "fn": "arith"}, "name='' must be a non-empty name"),
     ],
 )
