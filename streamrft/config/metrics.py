@@ -12,6 +12,7 @@ class MetricsConfig(Section):
     wandb_mode: str = "offline"  # offline works with no network; "online" | "offline" | "disabled"
     progress: bool = True  # console progress bar on a TTY, plain log lines otherwise
     progress_log_every_s: float = 30.0  # without a TTY: seconds between plain progress lines
+    peak_flops: float = 0.0  # peak FLOP/s of one rank's accelerator (e.g. 989e12 for H100 bf16); 0 = unknown, MFU stays NaN
 
 
 class SinksConfig(Section):

@@ -87,6 +87,16 @@ class Progress:
         self._last_line_at = now
         self._updates_since_line = 0
 
+    def write(self, text: str) -> None:
+        """Print one line without breaking the bar (tqdm.write above it on a TTY)."""
+        if self._bar is not None:
+            from tqdm import tqdm
+
+            tqdm.write(text, file=self._stream)
+        else:
+            self._stream.write(text + "\n")
+            self._stream.flush()
+
     def close(self) -> None:
         if self._closed:
             return

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
@@ -39,6 +39,11 @@ SCALAR_GAUGES: dict[str, tuple[str, dict[str, str]]] = {
     "clip_fraction": ("clip_fraction", {"side": "all"}),
     "clip_fraction_low": ("clip_fraction", {"side": "low"}),
     "clip_fraction_high": ("clip_fraction", {"side": "high"}),
+    "dual_clip_fraction": ("clip_fraction", {"side": "dual"}),
+    "value_clip_fraction": ("clip_fraction", {"side": "value"}),
+    "tokens_kept_fraction": ("tokens_kept_fraction", {}),
+    "kl_coef": ("kl_coef", {}),
+    "value_loss": ("value_loss", {}),
     "grad_norm": ("grad_norm", {}),
     "lr": ("learning_rate", {}),
     "reward_mean": ("reward_mean", {"component": "total"}),
@@ -46,6 +51,8 @@ SCALAR_GAUGES: dict[str, tuple[str, dict[str, str]]] = {
     "ratio_mean": ("importance_ratio_mean", {}),
     "ratio_max": ("importance_ratio_max", {}),
     "tis_clipped_fraction": ("tis_clipped_fraction", {}),
+    "tis_weight_mean": ("tis_weight_mean", {}),
+    "step_seconds": ("step_seconds", {}),
     "trained_tokens_per_s": ("trained_tokens_per_second", {}),
     "generated_tokens_per_s": ("generated_tokens_per_second", {}),
     "mfu": ("mfu", {}),
@@ -70,8 +77,11 @@ class _ConstLabels(Collector):
         self._inner = inner
         self._labels = dict(labels)
         self._lock = lock
+        self.hooks: list[Callable[[], None]] = []  # run at every scrape, before collecting
 
     def collect(self) -> Iterable[Metric]:
+        for hook in self.hooks:
+            hook()
         with self._lock:
             families = list(self._inner.collect())
         for family in families:
@@ -136,7 +146,8 @@ class PipelineMetrics:
         self._metrics.register(_ResourceCollector())
         self._scrape_lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_ConstLabels(self._metrics, {"rank": str(rank)}, self._scrape_lock))
+        self._exposed = _ConstLabels(self._metrics, {"rank": str(rank)}, self._scrape_lock)
+        self.registry.register(self._exposed)
         r = self._metrics
 
         # Queue pressure, per stage (generator, reward, teacher, advantage, learner, ...).
@@ -213,6 +224,16 @@ class PipelineMetrics:
         self.tis_clipped_fraction = Gauge(
             "streamrft_tis_clipped_fraction", "Fraction of tokens whose truncated-IS weight was clipped.", registry=r
         )
+        self.tis_weight_mean = Gauge(
+            "streamrft_tis_weight_mean", "Mean truncated importance-sampling weight per token.", registry=r
+        )
+        self.tokens_kept_fraction = Gauge(
+            "streamrft_tokens_kept_fraction", "Fraction of response tokens kept in the loss (token filters).",
+            registry=r,
+        )
+        self.kl_coef = Gauge("streamrft_kl_coef", "KL coefficient used in the last step (adaptive or fixed).", registry=r)
+        self.value_loss = Gauge("streamrft_value_loss", "Critic value loss of the last step.", registry=r)
+        self.step_seconds = Gauge("streamrft_step_seconds", "Wall time of the last train step.", registry=r)
         self.grad_norm = Gauge("streamrft_grad_norm", "Gradient norm before clipping, last step.", registry=r)
         self.learning_rate = Gauge("streamrft_learning_rate", "Learning rate of the last step.", registry=r)
         self.mfu = Gauge("streamrft_mfu", "Model FLOPs utilisation (0..1); NaN until FLOPs are known.", registry=r)
@@ -220,6 +241,12 @@ class PipelineMetrics:
         self.train_scalar = Gauge(
             "streamrft_train_scalar", "Any other per-step scalar, by its observe_step name.", ["name"], registry=r
         )
+
+    def on_scrape(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` at every scrape, before collecting (e.g. to sample queue depths, so a
+        gauge is current when Prometheus reads it rather than as of the last step). The hook runs
+        on the exporter's thread: it must only read plain attributes (ints, ``len``) and set gauges."""
+        self._exposed.hooks.append(hook)
 
     def atomic(self) -> threading.Lock:
         """``with metrics.atomic(): ...`` groups updates so no scrape sees half of them. Single

@@ -44,6 +44,7 @@ class Run:
     exporter: object = None
     run_id: str = ""
     checkpointer: object = None
+    trainable_params: int = 0  # N of the 6·N·tokens FLOPs estimate
 
 
 def build_run(cfg: Config, dist) -> Run:
@@ -91,10 +92,18 @@ def build_run(cfg: Config, dist) -> Run:
         critic = Critic(cfg.model, cfg.train, cfg.algorithm.value_clip_eps, dist, cfg.train.max_steps)
     actor = ActorUpdate(strategy, reference, cfg, all_reduce_sum, critic)
     checkpointer = Checkpointer(cfg, dist, strategy, accounting, models={"critic": critic} if critic else {})
-    return Run(cfg, dist, strategy, reference, engine, eval_engine, scorer, dataset, eval_dataset, pipeline, phase, actor, accounting, metrics, _build_loggers(cfg, dist), _build_sinks(cfg, dist, run_id), exporter, run_id, checkpointer)
+    if metrics is not None:
+        from streamrft.metrics.probe import probe_pipeline
+
+        metrics.on_scrape(lambda: probe_pipeline(metrics, pipeline, accounting))
+    from streamrft.metrics.probe import trainable_parameters
+
+    return Run(cfg, dist, strategy, reference, engine, eval_engine, scorer, dataset, eval_dataset, pipeline, phase, actor, accounting, metrics, _build_loggers(cfg, dist), _build_sinks(cfg, dist, run_id), exporter, run_id, checkpointer, trainable_parameters(strategy.module))
 
 
 def _build_metrics(cfg, dist, accounting):
+    if cfg.metrics.peak_flops < 0 or math.isnan(cfg.metrics.peak_flops):
+        raise ValueError(f"metrics.peak_flops={cfg.metrics.peak_flops} must be >= 0 (FLOP/s of one rank; 0 = unknown)")
     if not cfg.metrics.port:
         return None, None
     from streamrft.metrics.exporter import start_exporter
@@ -144,35 +153,59 @@ async def train_loop(run: Run) -> dict[str, float]:
     summary = dict(run.checkpointer.summary_before)
     resumed_from = f"resumed from {resumed.path} at step {start}; " if resumed else ""
     _announce(run, f"{resumed_from}heldout before: {summary}")
+    progress = _progress(run, cfg.train.max_steps - start, "train")
     for step in range(start, cfg.train.max_steps):
         step_started = time.perf_counter()
         batch = await pipeline.run_step(step)  # ROLLOUT: streamed through every stage
         global_samples = phase.batch_ready(len(batch))  # one all-reduce decides ROLLOUT → TRAIN
         await phase.enter_train()
+        train_started = time.perf_counter()
         stats = run.actor.train_step(batch) if global_samples else {}
+        stats["train_seconds"] = time.perf_counter() - train_started
         run.accounting.train(len(batch))
         run.accounting.check(step)
         run.checkpointer.step_done(step + 1, policy_version=step + 1)  # saves every checkpoint.save_every steps
         await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake
-        stats.update(_reward_stats(batch, run.actor.all_reduce_sum, [src.name for src in cfg.reward.sources]))
-        stats.update({f"phase/{k}_seconds": v for k, v in phase.timings.items()})
-        stats["step_seconds"] = time.perf_counter() - step_started
-        generated = run.actor.all_reduce_sum(torch.tensor([float(run.pipeline.generator.generated_tokens)])).item()
-        stats["generated_tokens_per_s"] = generated / max(stats["step_seconds"], 1e-9)
-        stats["trained_tokens_per_s"] = stats.get("train_tokens", 0.0) / max(stats["step_seconds"], 1e-9)
-        if run.metrics is not None:
-            run.metrics.generated_tokens.inc(run.pipeline.generator.generated_tokens)
-            run.metrics.trained_tokens.inc(sum(len(s.response_ids) for s in batch))
-            run.metrics.policy_version.set(run.engine.policy_version)
-        run.pipeline.generator.generated_tokens = 0
-        _log_step(run, step, stats)
+        _step_stats(run, batch, stats, step_started)
+        _log_step(run, step, stats, progress)
         _write_trajectories(run, step, batch)
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and step + 1 < cfg.train.max_steps:
-            _announce(run, f"step {step + 1}: {await _evaluate(run)}")
+            _announce(run, f"step {step + 1}: {await _evaluate(run)}", progress)
+    progress.close()
     summary.update({f"{k}_after": v for k, v in (await _evaluate(run)).items()})
     summary.update(steps=cfg.train.max_steps, seconds=time.perf_counter() - started)
     summary.update(run.accounting.summary())
     return summary
+
+
+def _step_stats(run: Run, batch, stats: dict[str, float], step_started: float) -> None:
+    """Add the driver's own per-step values (all reduced over ranks) to the learner's ``stats``:
+    rewards, phase timings, throughput, MFU; count tokens on the Prometheus counters."""
+    from streamrft.metrics.probe import mfu, training_flops
+
+    stats.update(_reward_stats(batch, run.actor.all_reduce_sum, [src.name for src in run.cfg.reward.sources]))
+    stats.update({f"phase/{k}_seconds": v for k, v in run.phase.timings.items()})
+    stats["step_seconds"] = seconds = max(time.perf_counter() - step_started, 1e-9)
+    local = [float(run.pipeline.generator.generated_tokens), float(sum(len(s.prompt_ids) + len(s.response_ids) for s in batch))]
+    generated, processed = run.actor.all_reduce_sum(torch.tensor(local)).tolist()
+    stats["generated_tokens_per_s"] = generated / seconds
+    stats["trained_tokens_per_s"] = stats.get("train_tokens", 0.0) / seconds
+    stats["train_flops"] = training_flops(run.trainable_params, processed)
+    if run.cfg.metrics.peak_flops > 0:
+        stats["mfu"] = mfu(stats["train_flops"], stats["train_seconds"], run.cfg.metrics.peak_flops, run.dist.world_size)
+    if run.metrics is not None:
+        run.metrics.generated_tokens.inc(run.pipeline.generator.generated_tokens)
+        run.metrics.trained_tokens.inc(sum(len(s.response_ids) for s in batch))
+        run.metrics.policy_version.set(run.engine.policy_version)
+    run.pipeline.generator.generated_tokens = 0
+
+
+def _progress(run: Run, total: int, desc: str):
+    """A console progress bar on rank 0 (plain lines without a TTY); a silent one elsewhere."""
+    from streamrft.metrics.progress import Progress
+
+    m = run.cfg.metrics
+    return Progress(total, desc, log_every=max(total, 1), log_every_s=m.progress_log_every_s, enabled=m.progress and run.dist.rank == 0)
 
 
 def _stateful(run: Run) -> dict:
@@ -189,7 +222,11 @@ async def _evaluate(run: Run) -> dict[str, float]:
     from streamrft.runtime.distributed import all_reduce_sum
     from streamrft.runtime.evaluation import evaluate
 
-    return await evaluate(run.eval_engine, run.strategy.tokenizer, run.eval_dataset, run.scorer, run.dist.rank, run.dist.world_size, all_reduce_sum, run.cfg.data.eval_size)
+    n = min(run.cfg.data.eval_size or len(run.eval_dataset.rows), len(run.eval_dataset.rows))
+    with _progress(run, n, "heldout eval") as progress:  # evaluate() is one batched call: the bar moves once
+        result = await evaluate(run.eval_engine, run.strategy.tokenizer, run.eval_dataset, run.scorer, run.dist.rank, run.dist.world_size, all_reduce_sum, run.cfg.data.eval_size)
+        progress.update(n, **{k: v for k, v in result.items() if isinstance(v, float)})
+    return result
 
 
 def _reward_stats(batch, all_reduce_sum, components: list[str]) -> dict[str, float]:
@@ -210,12 +247,12 @@ def _reward_stats(batch, all_reduce_sum, components: list[str]) -> dict[str, flo
     return out
 
 
-def _announce(run: Run, text: str) -> None:
+def _announce(run: Run, text: str, progress=None) -> None:
     if run.dist.rank == 0:
-        print(f"streamrft: {text}", flush=True)
+        progress.write(f"streamrft: {text}") if progress is not None else print(f"streamrft: {text}", flush=True)
 
 
-def _log_step(run: Run, step: int, stats: dict[str, float]) -> None:
+def _log_step(run: Run, step: int, stats: dict[str, float], progress) -> None:
     if run.dist.rank == 0:
         # steps.jsonl: one line of reduced metrics per step (what tests and scripts read back).
         path = Path(run.cfg.output_dir) / "steps.jsonl"
@@ -229,7 +266,8 @@ def _log_step(run: Run, step: int, stats: dict[str, float]) -> None:
     if run.dist.rank == 0 and (step % run.cfg.train.log_every == 0 or step + 1 == run.cfg.train.max_steps):
         keys = ("loss", "reward_mean", "kl", "entropy", "grad_norm", "step_seconds")
         shown = " ".join(f"{k}={stats[k]:.4g}" for k in keys if k in stats)
-        print(f"step {step + 1}/{run.cfg.train.max_steps} {shown}", flush=True)
+        progress.write(f"step {step + 1}/{run.cfg.train.max_steps} {shown}")
+    progress.update(1, reward=stats.get("reward_mean", math.nan), tok_s=stats.get("generated_tokens_per_s", 0.0))
 
 
 def _write_trajectories(run: Run, step: int, batch) -> None:
@@ -240,6 +278,8 @@ def _write_trajectories(run: Run, step: int, batch) -> None:
     for record in trajectory_records(run, step, batch):
         for sink in run.sinks:
             sink.write(record)
+    for sink in run.sinks:
+        sink.flush()  # readers see whole steps
 
 
 async def _shutdown(run: Run) -> None:
