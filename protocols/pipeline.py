@@ -6,7 +6,20 @@ fields named ``*_len`` give their lengths so a header alone is enough for accoun
 
 from __future__ import annotations
 
+import msgspec
+
 from protocols.base import Message, TensorSpec
+
+
+class MediaRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A row's media file by reference: messages carry this, never pixels or samples. The receiver reads
+    ``path`` and checks ``sha256`` (streamrft.data.media.read_ref), so a file changed mid-run is an error."""
+
+    path: str  # absolute path readable by every process of the run (shared filesystem)
+    sha256: str  # hex digest of the file's bytes at admission
+    kind: str  # "image" | "video_frame" | "audio"
+    field: str = ""  # dataset row field it came from (for error messages)
+    group: int = 0  # video_frame: which video of the row this frame belongs to (frames in order)
 
 
 class PromptGroup(Message, kw_only=True):
@@ -25,6 +38,7 @@ class PromptGroup(Message, kw_only=True):
     prompt_len: int
     data_row: int = -1  # row of the dataset file this prompt came from
     tensors: list[TensorSpec] = []
+    media: list[MediaRef] = []  # the row's images / video frames / audio clips, in placeholder order; [] = text
 
 
 class Completion(Message, kw_only=True):
@@ -51,6 +65,7 @@ class Completion(Message, kw_only=True):
     response_len: int
     generate_seconds: float = 0.0
     tensors: list[TensorSpec] = []
+    media: list[MediaRef] = []  # as PromptGroup.media: the learner re-decodes the prompt's media from these
 
 
 class ScoredSample(Message, kw_only=True):
@@ -102,6 +117,7 @@ class TrajectoryRecord(Message, kw_only=True):
     reason: str = ""
     finish_reason: str = ""
     timings: dict[str, float] = {}  # seconds: generate, score, ...
+    media: list[MediaRef] = []  # the prompt's media by reference; [] = text-only
 
 
 class Control(Message, kw_only=True):

@@ -33,9 +33,7 @@ def load_policy_from_checkpoint(ckpt: str | Path):
 
     path = resolve_checkpoint(ckpt)
     meta = read_meta(path)
-    if meta.get("lora_rank", 0) > 0:
-        raise ValueError(f"{path} holds a LoRA run (model.lora_rank={meta['lora_rank']}); export merges full "
-                         "weights only for now")
+    lora = _lora_config(meta, path)
     hf_dir = path / "hf"
     if not (hf_dir / "config.json").is_file():
         raise ValueError(f"{path} has no hf/config.json (written with every checkpoint); it is not a StreamRFT "
@@ -44,6 +42,10 @@ def load_policy_from_checkpoint(ckpt: str | Path):
     config.use_cache = True  # training turns the KV cache off; an exported model generates
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if lora is not None:  # the checkpoint holds base weights plus adapters: rebuild that model first
+        from streamrft.learner.lora import apply_lora
+
+        apply_lora(model, lora)
     # Tied weights appear under one name in the model's parameters but may be saved under either name.
     stored = _dcp_keys(path)
     wanted = {name: t for name, t in model.state_dict().items() if f"model.{name}" in stored}
@@ -57,10 +59,42 @@ def load_policy_from_checkpoint(ckpt: str | Path):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"], strict=False)
+    if lora is not None:
+        model = _merged_base_model(model, config, lora)
     model.tie_weights()
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     return model, tokenizer, meta
+
+
+def _lora_config(meta: dict, path: Path):
+    """The LoRA settings the run trained with (from meta.json), or None for a full fine-tune."""
+    if meta.get("lora_rank", 0) <= 0:
+        return None
+    if "lora_alpha" not in meta or "lora_target_modules" not in meta:
+        raise ValueError(f"{path}: a LoRA checkpoint without lora_alpha / lora_target_modules in meta.json "
+                         "(written by an older version); it cannot be merged")
+    from streamrft.config.model import ModelConfig
+
+    return ModelConfig(lora_rank=int(meta["lora_rank"]), lora_alpha=float(meta["lora_alpha"]),
+                       lora_target_modules=tuple(meta["lora_target_modules"]))
+
+
+def _merged_base_model(lora_model, config, lora):
+    """A plain HF model whose weights are W + (alpha / r) * B @ A: the adapters folded in."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrft.learner.lora import lora_scaling, merge_lora_named_tensors
+
+    with torch.device("cpu"):
+        base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    merged = dict(merge_lora_named_tensors(lora_model.state_dict().items(), lora_scaling(lora)))
+    missing, unexpected = base.load_state_dict(merged, strict=False)
+    untied_missing = [m for m in missing if not _is_tied_alias(base, m, merged)]
+    if untied_missing or unexpected:
+        raise ValueError(f"merging LoRA adapters left missing={untied_missing[:5]} unexpected={unexpected[:5]}")
+    return base
 
 
 def _is_tied_alias(model, name: str, loaded: dict) -> bool:

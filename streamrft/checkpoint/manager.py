@@ -171,6 +171,8 @@ class Checkpointer:
                 "reason": reason,
                 "model_path": self.cfg.model.path,
                 "lora_rank": self.cfg.model.lora_rank,
+                "lora_alpha": self.cfg.model.lora_alpha,
+                "lora_target_modules": list(self.cfg.model.lora_target_modules),
                 "models": sorted(self.models),
                 "summary_before": self.summary_before,
                 "save_seconds": time.perf_counter() - started,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -17,6 +17,9 @@ class PromptRow:
     reference: str
     label: str
     row: int  # 0-based row in the file
+    # the row's other fields, raw (media values: paths, bytes, data URIs, frame lists); read by
+    # streamrft.models.media_inputs.MediaCodec for data.image_field / video_field / audio_field
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -61,7 +64,7 @@ class PromptDataset:
             raise DataError(f"{self.path}: the dataset has no rows")
 
     def _parse(self, i, raw, prompt_field, reference_field, label_field, require_reference) -> PromptRow:
-        def field(name: str, required: bool, default: str = "") -> str:
+        def text(name: str, required: bool, default: str = "") -> str:
             if name not in raw or raw[name] is None:
                 if required:
                     raise DataError(
@@ -75,10 +78,11 @@ class PromptDataset:
             return str(value)
 
         return PromptRow(
-            prompt=field(prompt_field, True),
-            reference=field(reference_field, require_reference),
-            label=field(label_field, False, "default") or "default",
+            prompt=text(prompt_field, True),
+            reference=text(reference_field, require_reference),
+            label=text(label_field, False, "default") or "default",
             row=i,
+            extra={k: v for k, v in raw.items() if k not in (prompt_field, reference_field, label_field)},
         )
 
     def __len__(self) -> int:

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from protocols import TrajectoryRecord
+from protocols.pipeline import MediaRef
 
 ROW_GROUP_ROWS = 1024  # records buffered in memory before one row group is written
 
@@ -34,6 +35,9 @@ _ARROW_TYPES: dict[Any, pa.DataType] = {
     list[float]: pa.list_(pa.float32()),
     list[str]: pa.list_(pa.string()),
     dict[str, float]: pa.map_(pa.string(), pa.float64()),
+    list[MediaRef]: pa.list_(
+        pa.struct([("path", pa.string()), ("sha256", pa.string()), ("kind", pa.string()), ("field", pa.string()), ("group", pa.int64())])
+    ),
 }
 
 
@@ -79,7 +83,11 @@ class ParquetSink:
     def write(self, record: TrajectoryRecord) -> None:
         for name in self._names:
             value = getattr(record, name)
-            self._columns[name].append(list(value.items()) if isinstance(value, dict) else value)
+            if isinstance(value, dict):
+                value = list(value.items())
+            elif value and isinstance(value, list) and isinstance(value[0], msgspec.Struct):
+                value = msgspec.to_builtins(value)  # e.g. media: list[MediaRef] -> list of dicts
+            self._columns[name].append(value)
         self._buffered += 1
         if self._rows_in_file + self._buffered >= self.rows_per_file:
             self._write_row_group()

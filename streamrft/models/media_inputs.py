@@ -1,0 +1,158 @@
+"""Row media through the runtime: dataset row -> MediaRefs (what crosses processes) -> model inputs.
+
+The Generator turns a row's media fields (``data.image_field`` / ``video_field`` / ``audio_field``) into
+``protocols.pipeline.MediaRef``s (absolute path + sha256; inline bytes / data URIs are spilled once to a
+content-addressed file), then decodes them into the processor inputs of the prompt
+(``build_model_inputs``). The learner re-decodes the same refs (hash-checked), so pixels never travel
+on a wire and both sides see byte-identical media.
+
+Every failure is a ``MediaError`` naming file, row and field, e.g.
+``"data/train.jsonl row 3 field 'image': cannot decode '/d/3.png' as an image (UnidentifiedImageError); ..."``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from protocols.pipeline import MediaRef
+from streamrft.data.media import (
+    MediaError,
+    _image_bytes,
+    decode_audio,
+    decode_image,
+    read_ref,
+    sha256_bytes,
+    where,
+)
+from streamrft.models.multimodal import MEDIA_KEYS, build_model_inputs
+
+
+def load_processor(path: str):
+    """The saved processor of a multimodal model directory (AutoProcessor, with the tiny VL processor
+    registered); None for a text-only model (its tokenizer is enough)."""
+    from transformers import AutoConfig, AutoProcessor
+
+    from streamrft.models.vl import register_processors
+
+    model_type = getattr(AutoConfig.from_pretrained(path), "model_type", "")
+    if model_type not in ("qwen2_vl", "qwen2_audio"):
+        return None
+    register_processors()
+    return AutoProcessor.from_pretrained(path)
+
+
+class MediaCodec:
+    """``refs(row, file)`` -> list[MediaRef]; ``inputs(prompt, refs, loc)`` -> one prompt's model inputs."""
+
+    def __init__(self, processor, image_field: str = "", video_field: str = "", audio_field: str = "",
+                 spill_dir: str | None = None):
+        self.processor = processor
+        self.fields = {"image": image_field, "video_frame": video_field, "audio": audio_field}
+        self.spill_dir = Path(spill_dir or os.path.join(tempfile.gettempdir(), "streamrft-media"))
+
+    @classmethod
+    def from_config(cls, processor, data_cfg) -> MediaCodec | None:
+        """None when no media field is configured (text runs keep their exact code path)."""
+        if not (data_cfg.image_field or data_cfg.video_field or data_cfg.audio_field):
+            return None
+        if processor is None:
+            set_fields = [f"data.{k}={v!r}" for k, v in (("image_field", data_cfg.image_field),
+                          ("video_field", data_cfg.video_field), ("audio_field", data_cfg.audio_field)) if v]
+            raise ValueError(f"{', '.join(set_fields)} is set but model.path is a text-only model; set model.path "
+                             "to a vision-language or audio-language model, or clear the media field")
+        return cls(processor, data_cfg.image_field, data_cfg.video_field, data_cfg.audio_field)
+
+    # ---- row -> refs (admission) ----------------------------------------------------------------------
+    def refs(self, row, file) -> list[MediaRef]:
+        out: list[MediaRef] = []
+        for kind, name in self.fields.items():
+            if not name:
+                continue
+            loc = where(str(file), row.row, name)
+            if row.extra.get(name) is None:
+                raise MediaError(f"{loc}: the row has no media field {name!r} (fields present: "
+                                 f"{sorted(row.extra)}); fix the row or set data.{_config_key(kind)}")
+            values = row.extra[name]
+            if kind == "video_frame":
+                videos = values if values and isinstance(values[0], (list, tuple)) else [values]
+                for g, frames in enumerate(videos):
+                    if not isinstance(frames, (list, tuple)) or not frames:
+                        raise MediaError(f"{loc}: a video must be a non-empty list of frame images in the runtime "
+                                         "(video files are not carried by reference yet); extract frames first")
+                    out += [self._ref(v, "video_frame", name, loc, g) for v in frames]
+            else:
+                for v in values if isinstance(values, (list, tuple)) else [values]:
+                    out.append(self._ref(v, kind, name, loc))
+        return out
+
+    def _ref(self, value, kind: str, field: str, loc: str, group: int = 0) -> MediaRef:
+        if isinstance(value, str) and not value.startswith("data:"):
+            data = _read(value, kind, loc)
+            path = str(Path(value).resolve())
+        else:  # bytes, data URI or {"path"|"bytes"}: spill inline bytes to a content-addressed file
+            if isinstance(value, dict) and value.get("bytes") is None and value.get("path"):
+                return self._ref(value["path"], kind, field, loc, group)
+            data, _ = _image_bytes(value, loc)
+            path = str(self._spill(data))
+        return MediaRef(path=path, sha256=sha256_bytes(data), kind=kind, field=field, group=group)
+
+    def _spill(self, data: bytes) -> Path:
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        path = self.spill_dir / sha256_bytes(data)
+        if not path.exists():
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(data)
+            tmp.replace(path)
+        return path
+
+    # ---- refs -> model inputs (Generator, learner, evaluation) ------------------------------------------
+    def inputs(self, prompt: str, refs: list[MediaRef], loc: str) -> dict[str, torch.Tensor]:
+        """``build_model_inputs`` of the prompt with its media decoded from ``refs`` (hash-checked);
+        ``loc`` says where the prompt came from ("<file> row <n>" or "sample <id>")."""
+        images, videos, audios = [], {}, []
+        for ref in refs:
+            where_ref = (f"{loc} field {ref.field!r}" if ref.field else loc) + f" (media file {ref.path!r})"
+            data = read_ref(_as_data_ref(ref), where_ref)
+            if ref.kind == "image":
+                images.append(decode_image(data, where_ref))
+            elif ref.kind == "video_frame":
+                videos.setdefault(ref.group, []).append(decode_image(data, where_ref))
+            elif ref.kind == "audio":
+                rate = self.processor.feature_extractor.sampling_rate
+                audios.append(decode_audio(data, rate, where_ref))
+            else:
+                raise MediaError(f"{where_ref}: unknown media kind {ref.kind!r}")
+        try:
+            return build_model_inputs(self.processor, prompt,
+                                      {"images": images, "videos": [videos[g] for g in sorted(videos)], "audios": audios})
+        except MediaError:
+            raise
+        except ValueError as exc:
+            raise MediaError(f"{loc}: {exc}") from None
+
+
+def media_tensors(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-prompt media tensors of ``inputs`` (pixel_values, image_grid_thw, input_features ...)."""
+    return {k: inputs[k] for k in MEDIA_KEYS if k in inputs}
+
+
+def _config_key(kind: str) -> str:
+    return {"image": "image_field", "video_frame": "video_field", "audio": "audio_field"}[kind]
+
+
+def _read(path: str, kind: str, loc: str) -> bytes:
+    p = Path(path)
+    if not p.is_file():
+        raise MediaError(f"{loc}: {kind} file {path!r} does not exist; fix the path or drop the row")
+    return p.read_bytes()
+
+
+def _as_data_ref(ref: MediaRef):
+    """streamrft.data.media.read_ref takes its own MediaRef (kind in image|video|audio)."""
+    from streamrft.data.media import MediaRef as DataRef
+
+    return DataRef(path=ref.path, sha256=ref.sha256, kind="video" if ref.kind == "video_frame" else ref.kind)
