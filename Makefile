@@ -4,27 +4,36 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
-STAMP := $(VENV)/.installed
+BASE_STAMP := $(VENV)/.installed-base
+DEV_STAMP := $(VENV)/.installed-dev
+# vLLM's CPU build lives in its own venv (it pins its own torch); see docs/engines.md.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast test-vllm clean
 
-$(STAMP): pyproject.toml
+$(BASE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_CPU)
-	$(PY) -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+	$(PY) -m pip install -q -e .
+	touch $(BASE_STAMP)
 
-setup: $(STAMP)
+# Test extras: pytest, DeepSpeed (CPU, no op builds) and W&B (offline mode).
+$(DEV_STAMP): $(BASE_STAMP)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[dev]'
+	touch $(DEV_STAMP)
 
-demo: $(STAMP)
+setup: $(DEV_STAMP)
+
+demo: $(BASE_STAMP)
 	OMP_NUM_THREADS=2 $(PY) pipelines/arith/demo.py pipelines/arith/config.yaml
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
-test-fast: $(STAMP)
+test-fast: $(DEV_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -41,14 +41,23 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 LOGPROB_METHOD = "streamrft_token_logprobs"  # the FSDP forward method added to the model instance
 
 
+_MULTIMODAL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_audio": "Qwen2AudioForConditionalGeneration"}
+
+
 def load_pretrained(path: str, model_cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
-    """AutoModelForCausalLM.from_pretrained(path) on CPU in ``dtype``, with a clear error when missing."""
-    from transformers import AutoModelForCausalLM
+    """from_pretrained(path) on CPU in ``dtype``, with a clear error when missing: AutoModelForCausalLM, or the
+    conditional-generation class of a vision-language / audio-language model (_MULTIMODAL_CLASSES)."""
+    import json
+
+    import transformers
 
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model.path={path!r} is not a Hugging Face model directory (no config.json); "
                          "set model.path to a directory made by save_pretrained")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=model_cfg.attn_implementation)
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f).get("model_type", "")
+    cls = getattr(transformers, _MULTIMODAL_CLASSES.get(model_type, "AutoModelForCausalLM"))
+    return cls.from_pretrained(path, dtype=dtype, attn_implementation=model_cfg.attn_implementation)
 
 
 def _logprob_method(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
@@ -111,6 +120,11 @@ class FSDP2Strategy:
             raise ValueError("model.dtype='float16' is not supported on CPU; use 'float32' or 'bfloat16'")
         model = load_pretrained(model_cfg.path, model_cfg, torch.float32)  # fp32 master weights
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
+        from streamrft.models.media_inputs import load_processor
+        from streamrft.models.multimodal import check_packing
+
+        self.processor = load_processor(model_cfg.path)  # None for text-only models
+        check_packing(model, train_cfg.packing)
         self.model_cfg = model_cfg
         if model_cfg.lora_rank > 0:
             from streamrft.learner.lora import apply_lora
