@@ -74,6 +74,7 @@ class ActorUpdate:
         self.kl_ctl = make_kl_controller(self.algo)  # fixed or adaptive (algorithm.kl_ctl_type)
         # Running reward statistics, identical on every rank (batch-scope estimators only).
         self.reward_norm = RunningMeanStd(self.algo.norm_eps) if self.algo.reward_running_norm else None
+        self._codec = None  # MediaCodec, built on the first batch with media
 
     @property
     def kl_coef(self) -> float:
@@ -93,12 +94,41 @@ class ActorUpdate:
             seqs.append(SequenceSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, tensors=tensors))
         pack = make_packed_microbatches if self.cfg.train.packing else make_microbatches
         mbs = pack(seqs, self.cfg.train.micro_batch_tokens) if seqs else []
+        if any(s.header.completion.media for s in batch):
+            self._attach_media(batch, mbs)
         # Every rank must run the same number of forwards (FSDP all-gathers inside each one):
         # ranks with fewer microbatches add empty ones (no response tokens, loss 0).
         n_max = int(all_reduce_max(torch.tensor([len(mbs)]), stage="count_microbatches").item())
         fields = ["behaviour_logprobs", "advantages"] + (["teacher_logprobs"] if self.cfg.teacher.type != "none" else [])
         mbs += [padding_microbatch(fields) for _ in range(n_max - len(mbs))]
         return mbs
+
+    def _attach_media(self, batch: list[TrainSample], mbs) -> None:
+        """Re-decode each sample's media from its MediaRefs (hash-checked) and give every microbatch the
+        media tensors of its rows, concatenated in row order (pixel_values, image_grid_thw, ...)."""
+        from streamrft.models.media_inputs import MediaCodec, media_tensors
+
+        if self.cfg.train.packing:
+            raise ValueError("train.packing=true cannot carry per-sample media (images / audio); set "
+                             "train.packing=false for multimodal data")
+        processor = getattr(self.strategy, "processor", None)
+        if processor is None:
+            raise ValueError(f"train.strategy={self.cfg.train.strategy!r} has no processor for media samples; "
+                             "use train.strategy=fsdp2 with a multimodal model.path")
+        if self._codec is None:
+            self._codec = MediaCodec(processor)
+        per_sample = []
+        for s in batch:
+            c = s.header.completion
+            inputs = self._codec.inputs(c.prompt_text, list(c.media), f"sample {c.sample_id}") if c.media else {"input_ids": s.prompt_ids[None]}
+            if inputs["input_ids"][0].tolist() != s.prompt_ids.tolist():
+                raise RuntimeError(f"sample {c.sample_id}: prompt ids re-built from its media differ from the "
+                                   "generator's; the processor or media changed during the run")
+            per_sample.append(media_tensors(inputs))
+        for mb in mbs:
+            rows = [per_sample[i] for i in mb["sample_index"].tolist() if i >= 0]
+            for key in sorted({k for r in rows for k in r}):
+                mb[key] = torch.cat([r[key] for r in rows if key in r])
 
     def _batch_advantages(self, batch: list[TrainSample], mbs) -> None:
         """Batch-scope estimators (reinforce++, reinforce, ...) over the whole local batch, with

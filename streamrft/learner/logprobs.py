@@ -79,13 +79,48 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
 
     Runs the decoder (``model.get_decoder()``) for hidden states, then the LM head in chunks of response
     positions. Needs mb["input_ids"], ["attention_mask"], ["position_ids"], ["response_mask"], all (B, L).
+    A microbatch with media tensors (pixel_values / image_grid_thw ..., see ``MEDIA_KEYS``) runs the
+    multimodal base model instead (``multimodal_hidden``).
     """
+    if any(k in mb for k in _MEDIA_KEYS):
+        hidden_BLH = multimodal_hidden(model, mb)
+        return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
+                                    mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"])
     hidden_BLH = model.get_decoder()(
         input_ids=mb["input_ids"], attention_mask=attention_mask_for(model, mb["attention_mask"]),
         position_ids=mb["position_ids"], use_cache=False,
     ).last_hidden_state
     return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
                                 mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"])
+
+
+_MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features")
+
+
+def multimodal_hidden(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, L, H) final hidden states of a vision-language model on a right-padded microbatch with media.
+
+    The media tensors of the microbatch's rows are concatenated in row order (as ``collate_prompts``);
+    ``mm_token_type_ids`` is rebuilt from the placeholder ids (image 1, video 2) and positions are the
+    (3, B, L) M-RoPE ids of the model's ``get_rope_index``, so every real token gets the position it had
+    in the engine's left-padded prefill + decode.
+    """
+    from streamrft.models.vl import is_vl_model, mrope_position_ids
+
+    if not is_vl_model(model):
+        raise ValueError(f"{type(model).__name__}: the learner computes media log-probs for vision-language "
+                         "(Qwen2-VL family) models only; audio-language training is not wired yet")
+    input_ids_BL = mb["input_ids"]
+    config = model.config
+    types_BL = torch.zeros_like(input_ids_BL)
+    types_BL[input_ids_BL == config.image_token_id] = 1
+    types_BL[input_ids_BL == config.video_token_id] = 2
+    inputs = {"input_ids": input_ids_BL, "attention_mask": mb["attention_mask"], "mm_token_type_ids": types_BL}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        if key in mb:
+            inputs[key] = mb[key]
+    position_ids = mrope_position_ids(model, inputs)
+    return model.model(**inputs, position_ids=position_ids, use_cache=False).last_hidden_state
 
 
 def attention_mask_for(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor | None:

@@ -2,9 +2,15 @@
 
 Each rank evaluates rows rank, rank + W, ...; sums are all-reduced, so the number is the same for
 any number of ranks. ``accuracy`` counts samples whose reward reaches ``correct_threshold``.
+
+Media rows: ``media`` (a ``MediaCodec``; by default the one the Generator registered on the shared
+tokenizer as ``tokenizer.streamrft_media``) decodes each row's images / audio into the engine's
+``mm_inputs``. A held-out row whose media cannot be read scores 0 and is counted in ``heldout_media_errors``.
 """
 
 from __future__ import annotations
+
+import logging
 
 import msgspec
 import torch
@@ -12,10 +18,15 @@ import torch
 from protocols import RewardItem
 from streamrft.engines.base import GenerationRequest
 
+log = logging.getLogger("streamrft")
 
-async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: int, all_reduce_sum, limit: int = 0, correct_threshold: float = 1.0) -> dict[str, float]:
+
+async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: int, all_reduce_sum, limit: int = 0, correct_threshold: float = 1.0, media=None) -> dict[str, float]:
     rows = dataset.rows[:limit] if limit else dataset.rows
     mine = rows[rank::world_size]
+    media = media if media is not None else getattr(tokenizer, "streamrft_media", None)
+    if media is not None:
+        return await _evaluate_media(engine, tokenizer, dataset, mine, scorer, all_reduce_sum, rank, correct_threshold, media)
     requests = [
         GenerationRequest(request_id=str(i), prompt_ids=tokenizer.encode(r.prompt, add_special_tokens=False), seed=0)
         for i, r in enumerate(mine)
@@ -31,15 +42,50 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
         )
         for i, r in enumerate(mine)
     ]
+    return await _score(items, scorer, all_reduce_sum, correct_threshold)
+
+
+async def _score(items, scorer, all_reduce_sum, correct_threshold, n_errors: int = 0, extra=None) -> dict[str, float]:
+    """Score ``items``, add ``n_errors`` rows worth 0, reduce over ranks."""
     outcomes = await scorer.score(items) if items else []
-    rewards = [o.reward if not o.error else 0.0 for o in outcomes]
-    sums = torch.tensor(
-        [float(len(rewards)), float(sum(rewards)), float(sum(r >= correct_threshold for r in rewards))],
-        dtype=torch.float64,
-    )
-    total = all_reduce_sum(sums)
+    rewards = [o.reward if not o.error else 0.0 for o in outcomes] + [0.0] * n_errors
+    sums = [float(len(rewards)), float(sum(rewards)), float(sum(r >= correct_threshold for r in rewards))]
+    if extra is not None:
+        sums.append(float(n_errors))
+    total = all_reduce_sum(torch.tensor(sums, dtype=torch.float64))
     n = max(total[0].item(), 1.0)
-    return {"heldout_reward_mean": total[1].item() / n, "heldout_accuracy": total[2].item() / n, "heldout_n": total[0].item()}
+    out = {"heldout_reward_mean": total[1].item() / n, "heldout_accuracy": total[2].item() / n, "heldout_n": total[0].item()}
+    if extra is not None:
+        out[extra] = total[3].item()
+    return out
+
+
+async def _evaluate_media(engine, tokenizer, dataset, mine, scorer, all_reduce_sum, rank, correct_threshold, media):
+    from streamrft.data.media import MediaError
+
+    requests, mm, kept, errors = [], {}, [], 0
+    for i, r in enumerate(mine):
+        try:
+            inputs = media.inputs(r.prompt, media.refs(r, dataset.path), f"{dataset.path} row {r.row}")
+        except MediaError as exc:
+            errors += 1
+            log.warning("evaluation rank %d: %s", rank, exc)
+            continue
+        requests.append(GenerationRequest(request_id=str(i), prompt_ids=inputs["input_ids"][0].tolist(), seed=0))
+        mm[str(i)] = inputs
+        kept.append((i, r))
+    outputs = {out.request_id: out async for out in engine.generate(requests, mm_inputs=mm)} if requests else {}
+    items = [
+        RewardItem(
+            sample_id=f"eval-{rank}-{i}",
+            prompt=r.prompt,
+            response=tokenizer.decode(outputs[str(i)].response_ids, skip_special_tokens=True),
+            reference=r.reference,
+            label=r.label,
+        )
+        for i, r in kept
+    ]
+    return await _score(items, scorer, all_reduce_sum, correct_threshold, errors, extra="heldout_media_errors")
 
 
 def greedy_engine_config(engine_cfg):
