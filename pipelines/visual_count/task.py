@@ -35,3 +35,20 @@ def make_examples(n: int, seed: int) -> list[tuple[Image.Image, str]]:
 
 def reward(response_text: str, answer: str) -> float:
     return 1.0 if response_text.strip() == answer else 0.0
+
+
+def write_split(out_dir: str, name: str, n: int, seed: int) -> str:
+    """Write ``n`` examples as PNG files under out_dir/images/<name>/ and rows
+    {"prompt", "reference", "image": <png path>} to out_dir/<name>.jsonl; returns the jsonl path."""
+    import json
+    from pathlib import Path
+
+    image_dir = Path(out_dir) / "images" / name
+    image_dir.mkdir(parents=True, exist_ok=True)
+    path = Path(out_dir) / f"{name}.jsonl"
+    with path.open("w") as f:
+        for i, (img, answer) in enumerate(make_examples(n, seed)):
+            file = image_dir / f"{i:05d}.png"
+            img.save(file)
+            f.write(json.dumps({"prompt": PROMPT, "reference": answer, "image": str(file.resolve())}) + "\n")
+    return str(path)

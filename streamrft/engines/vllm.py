@@ -30,6 +30,12 @@ Weights
     only when all its tensors are there (``LayerBuffer``), so buckets may split layers anywhere. A version
     lower than the engine's is an error.
 
+Shutdown
+    ``close()`` stops the stepper and shuts the engine core down. vLLM's shutdown also destroys
+    torch.distributed's default process group (``cleanup_dist_env_and_memory``), so call it last, after
+    the run's own collectives; left to vLLM's exit-time finalizer instead, it runs after the driver has
+    destroyed that group and fails with "Invalid process group specified".
+
 Sleep
     vLLM's sleep mode (``enable_sleep_mode``) exists on CUDA/ROCm/XPU only; on CPU vLLM refuses it, so
     ``sleep``/``wake`` are no-ops there (logged once). Seconds spent are in ``engine.timings``.
@@ -209,6 +215,14 @@ class _InProcessLLM:
         if self.stepper is None or self.stepper.done():
             self.stepper = asyncio.create_task(self._step_loop(), name="vllm-stepper")
 
+    def close(self) -> None:
+        """Stop the stepper and shut the engine core down once (idempotent)."""
+        if self.stepper is not None and not self.stepper.done():
+            self.stepper.cancel()
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
     async def _step_loop(self) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -257,11 +271,19 @@ class VLLMEngine:
         return VLLMEngine(cfg, self.model_path, None, self.device, eos_token_ids=self.stop_token_ids,
                           policy_version=self.policy_version, _shared=self._inproc)
 
+    def close(self) -> None:
+        """Shut the in-process vLLM down (shared by every ``with_config`` view; idempotent). It destroys
+        torch.distributed's default group too (see the module docstring): call it after the last collective."""
+        if self._inproc is not None:
+            self._inproc.close()
+
     # ------------------------------------------------------------------ generation
 
     async def generate(self, requests: list[GenerationRequest]) -> AsyncIterator[GeneratedSample]:
         """Yield each sample as soon as its own sequence ends (stop token or length)."""
         _check_requests(requests)
+        if self._inproc is not None and self._inproc.llm is None:
+            raise RuntimeError("VLLMEngine.generate called after close(); build a new engine")
         if self._inproc is not None and self._inproc.asleep:
             raise RuntimeError("VLLMEngine.generate called while asleep; call await engine.wake() first")
         start = time.perf_counter()

@@ -23,8 +23,11 @@ from torch.utils.checkpoint import checkpoint
 
 
 def _chunk_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
-                        target_N: torch.Tensor, inv_temperature: float, with_entropy: bool):
+                        target_N: torch.Tensor, inv_temperature: float, with_entropy: bool,
+                        banned_ids: torch.Tensor | None = None):
     z_NV = F.linear(h_NH, weight_VH, bias_V).float() * inv_temperature
+    if banned_ids is not None:  # tokens the engine never samples: the same renormalised distribution
+        z_NV = z_NV.index_fill(-1, banned_ids, torch.finfo(z_NV.dtype).min)
     logp_NV = torch.log_softmax(z_NV, dim=-1)
     logp_N = logp_NV.gather(-1, target_N.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
@@ -36,9 +39,12 @@ def _chunk_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: tor
 def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_ids_BL: torch.Tensor,
                          response_mask_BL: torch.Tensor, temperature: float, with_entropy: bool,
                          chunk_size: int = 1024, position_ids_BL: torch.Tensor | None = None,
+                         banned_ids: list[int] | None = None,
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The formula above, given the final hidden states (after the last norm) and the LM head.
-    With ``position_ids_BL``, positions where it is 0 (a sequence start) are excluded too."""
+    With ``position_ids_BL``, positions where it is 0 (a sequence start) are excluded too. ``banned_ids``
+    (media placeholders, which the hf engine never samples) get probability 0: the softmax runs over the
+    remaining vocabulary, as the engine's sampling distribution does."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0; set rollout.temperature > 0")
     if chunk_size <= 0:
@@ -57,6 +63,8 @@ def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_
     for start in range(0, h_NH.shape[0], chunk_size):
         args = (h_NH[start:start + chunk_size], weight, bias, target_N[start:start + chunk_size],
                 1.0 / temperature, with_entropy)
+        if banned_ids:
+            args += (torch.tensor(banned_ids, dtype=torch.long, device=h_NH.device),)
         if use_ckpt:
             logp_n, ent_n = checkpoint(_chunk_logp_entropy, *args, use_reentrant=False)
         else:
@@ -85,7 +93,8 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
     if any(k in mb for k in _MEDIA_KEYS):
         hidden_BLH = multimodal_hidden(model, mb)
         return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
-                                    mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"])
+                                    mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"],
+                                    media_placeholder_ids(model))
     hidden_BLH = model.get_decoder()(
         input_ids=mb["input_ids"], attention_mask=attention_mask_for(model, mb["attention_mask"]),
         position_ids=mb["position_ids"], use_cache=False,
@@ -95,6 +104,14 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
 
 
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features")
+
+
+def media_placeholder_ids(model: torch.nn.Module) -> list[int]:
+    """Image / video / audio placeholder token ids of the model's config: the hf engine never samples them
+    (``HFEngine._banned_ids``), so the learner's distribution leaves them out too."""
+    config = getattr(model, "config", None)
+    return sorted({i for key in ("image_token_id", "video_token_id", "audio_token_id")
+                   if isinstance(i := getattr(config, key, None), int)})
 
 
 def multimodal_hidden(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -82,7 +82,9 @@ def engine(request, model_dir):
 
         engine = VLLMEngine(_cfg(type="vllm"), model_dir, None, "cpu", eos_token_ids=[1], dtype=torch.float32)
         yield engine
-        del engine
+        engine.close()
+        with pytest.raises(RuntimeError, match=r"generate called after close\(\)"):
+            _generate(engine, "closed")
     else:
         env = {**os.environ, "STREAMRFT_FAKE_SGLANG_AUTHKEY": multiprocessing.current_process().authkey.hex(),
                "OMP_NUM_THREADS": "1"}

@@ -94,3 +94,28 @@ def test_sigterm_stops_training_cleanly_with_a_message(arith_dir, tmp_path):
             proc.wait(10)
     assert proc.returncode == 130
     assert "stopped by SIGTERM on rank 0; sockets closed" in out
+
+
+def test_sigterm_to_torchrun_stops_both_ranks_and_leaves_no_process(arith_dir, tmp_path):
+    overrides = arith_overrides(arith_dir, tmp_path, "train.max_steps=1000")
+    env = dict(env_one_thread(), NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    proc = subprocess.Popen([str(REPO / "launch" / "colocate.sh"), str(CONFIG), *overrides], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        for line in proc.stdout:
+            if line.startswith("step 2/"):
+                break
+            assert time.monotonic() < deadline, "no training step within 180 s"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode != 0
+    assert "stopped by SIGTERM on rank 0; sockets closed" in out
+    assert "stopped by SIGTERM on rank 1; sockets closed" in out
+    # No orphan: nothing is left running with this run's output folder on its command line.
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert left == [], f"orphan processes {left}"
