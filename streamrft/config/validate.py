@@ -84,8 +84,11 @@ def validate_data(cfg) -> None:
 
 def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:
     if check_paths:
+        from streamrft.rewards.validate import validate_reward_paths
+
         validate_model(cfg)
         validate_data(cfg)
+        validate_reward_paths(cfg)
     validate_rollout(cfg, world_size)
     validate_engine(cfg)
     from streamrft.config.checkpoint import validate_checkpoint

@@ -60,6 +60,16 @@ def _validate_weights(src, where: str) -> None:
             )
 
 
+def validate_reward_paths(cfg) -> None:
+    """File checks, run with validate_config(check_paths=True): model sources must be trained RMs."""
+    for i, src in enumerate(cfg.reward.sources):
+        if src.type == "model" and not (Path(src.model_path) / "rm.json").is_file():
+            raise ConfigError(
+                f"reward.sources[{i}] ({src.name!r}).model_path={src.model_path!r} is not a trained reward model "
+                "(no rm.json); train one with `streamrft train-rm CONFIG`"
+            )
+
+
 def _validate_by_type(src, where: str) -> None:
     if src.type not in SOURCE_BUILDERS:
         raise ConfigError(
@@ -68,11 +78,6 @@ def _validate_by_type(src, where: str) -> None:
     if src.type == "model":
         if not src.model_path:
             raise ConfigError(f"{where}.model_path is empty; set it to a directory written by `streamrft train-rm`")
-        if not (Path(src.model_path) / "rm.json").is_file():
-            raise ConfigError(
-                f"{where}.model_path={src.model_path!r} is not a trained reward model (no rm.json); "
-                "train one with `streamrft train-rm CONFIG`"
-            )
     if src.type == "rule" and src.fn not in RULES:
         raise ConfigError(f"{where}.fn={src.fn!r} is not a rule; valid rules: {', '.join(sorted(RULES))}")
     if src.type == "custom":

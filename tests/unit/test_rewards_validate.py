@@ -36,13 +36,22 @@ def test_a_valid_section_passes(tmp_path):
         ({"name": "c", "type": "rule", "fn": "arith", "weight": float("nan")}, "weight=nan must be a finite"),
         ({"name": "c", "type": "rule", "fn": "arith", "labels": ["a"], "label_weights": {"b": 1.0}},
          "names label 'b', which is not in its labels"),
-        ({"name": "c", "type": "model", "model_path": "x"}, r"model_path='x' is not a trained reward model \(no rm.json\)"),
+        ({"name": "c", "type": "model"}, r"model_path is empty; set it to a directory written by `streamrft train-rm`"),
         ({"name": "", "type": "rule", "fn": "arith"}, "name='' must be a non-empty name"),
     ],
 )
 def test_each_bad_source_is_named_with_the_fix(source, message):
     with pytest.raises(ConfigError, match=message):
         validate_reward(cfg_with(source))
+
+
+def test_a_model_source_without_rm_json_fails_the_path_checks_only(tmp_path):
+    from streamrft.rewards.validate import validate_reward_paths
+
+    cfg = cfg_with({"name": "c", "type": "model", "model_path": str(tmp_path)})
+    validate_reward(cfg)  # shape only: the directory may be produced later (check_paths=False)
+    with pytest.raises(ConfigError, match=r"model_path=.* is not a trained reward model \(no rm.json\)"):
+        validate_reward_paths(cfg)
 
 
 def test_duplicate_source_names_are_rejected():
