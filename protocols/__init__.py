@@ -19,6 +19,7 @@ from protocols.base import (
 )
 from protocols.pipeline import (
     Completion,
+    MediaRef,
     Control,
     MicrobatchHeader,
     PromptGroup,
@@ -39,6 +40,7 @@ __all__ = [
     "json_schema",
     "PromptGroup",
     "Completion",
+    "MediaRef",
     "Control",
     "ScoredSample",
     "MicrobatchHeader",

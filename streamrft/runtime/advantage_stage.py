@@ -48,6 +48,9 @@ class AdvantageStage(Stage):
         self.algo = cfg.algorithm
         self.estimator = ADVANTAGE_ESTIMATORS[self.algo.advantage_estimator]
         self.groups: dict[str, list[tuple[ScoredSample, dict]]] = {}
+        # Samples that will not be trained, with status ("failed" | "filtered") and reason, until the
+        # driver takes them for the trajectory sinks (Pipeline.take_dropped).
+        self.dropped: list[tuple[ScoredSample, dict, str, str]] = []
 
     async def handle(self, header, tensors) -> bool:
         if isinstance(header, Control):
@@ -70,8 +73,10 @@ class AdvantageStage(Stage):
         for scored, tensors in group:
             if scored.status != "ok":
                 acct.fail(scored.fail_reason)
+                self.dropped.append((scored, tensors, "failed", scored.fail_reason))
             elif self.algo.overlong_filter and scored.completion.finish_reason == "length":
                 acct.filter("overlong")
+                self.dropped.append((scored, tensors, "filtered", "overlong"))
             else:
                 ok.append((scored, tensors))
         reason = "kept"
@@ -95,6 +100,7 @@ class AdvantageStage(Stage):
                 zero_variance_groups(rewards, torch.zeros(len(ok), dtype=torch.int64)).all()
             ):
                 acct.filter("zero_variance", len(ok))
+                self.dropped.extend((s, t, "filtered", "zero_variance") for s, t in ok)
                 reason = "filtered:zero_variance"
         if reason == "kept":
             if self.estimator.scope == "group":

@@ -224,7 +224,9 @@ async def _evaluate(run: Run) -> dict[str, float]:
 
     n = min(run.cfg.data.eval_size or len(run.eval_dataset.rows), len(run.eval_dataset.rows))
     with _progress(run, n, "heldout eval") as progress:  # evaluate() is one batched call: the bar moves once
-        result = await evaluate(run.eval_engine, run.strategy.tokenizer, run.eval_dataset, run.scorer, run.dist.rank, run.dist.world_size, all_reduce_sum, run.cfg.data.eval_size)
+        result = await evaluate(run.eval_engine, run.strategy.tokenizer, run.eval_dataset, run.scorer, run.dist.rank,
+                                run.dist.world_size, all_reduce_sum, run.cfg.data.eval_size,
+                                media=getattr(run.pipeline.generator, "media", None))
         progress.update(n, **{k: v for k, v in result.items() if isinstance(v, float)})
     return result
 
@@ -271,11 +273,12 @@ def _log_step(run: Run, step: int, stats: dict[str, float], progress) -> None:
 
 
 def _write_trajectories(run: Run, step: int, batch) -> None:
+    dropped = run.pipeline.take_dropped()  # taken every step so it never grows
     if not run.sinks:
         return
     from streamrft.runtime.trajectories import trajectory_records
 
-    for record in trajectory_records(run, step, batch):
+    for record in trajectory_records(run, step, batch, dropped):
         for sink in run.sinks:
             sink.write(record)
     for sink in run.sinks:
@@ -295,6 +298,10 @@ async def _shutdown(run: Run) -> None:
         from streamrft.metrics.exporter import stop_exporter
 
         stop_exporter(run.exporter)
+    for engine in {id(e): e for e in (run.engine, run.eval_engine)}.values():
+        close = getattr(engine, "close", None)  # vllm: its shutdown also tears down its own state
+        if close is not None:
+            close()
 
 
 def train(cfg: Config) -> dict[str, float]:

@@ -3,8 +3,7 @@
 Each rank evaluates rows rank, rank + W, ...; sums are all-reduced, so the number is the same for
 any number of ranks. ``accuracy`` counts samples whose reward reaches ``correct_threshold``.
 
-Media rows: ``media`` (a ``MediaCodec``; by default the one the Generator registered on the shared
-tokenizer as ``tokenizer.streamrft_media``) decodes each row's images / audio into the engine's
+Media rows: ``media`` (the Generator's ``MediaCodec``, passed by the driver) decodes each row's images / audio into the engine's
 ``mm_inputs``. A held-out row whose media cannot be read scores 0 and is counted in ``heldout_media_errors``.
 """
 
@@ -24,7 +23,6 @@ log = logging.getLogger("streamrft")
 async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: int, all_reduce_sum, limit: int = 0, correct_threshold: float = 1.0, media=None) -> dict[str, float]:
     rows = dataset.rows[:limit] if limit else dataset.rows
     mine = rows[rank::world_size]
-    media = media if media is not None else getattr(tokenizer, "streamrft_media", None)
     if media is not None:
         return await _evaluate_media(engine, tokenizer, dataset, mine, scorer, all_reduce_sum, rank, correct_threshold, media)
     requests = [

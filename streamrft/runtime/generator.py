@@ -68,8 +68,6 @@ class Generator(Stage):
             raise ValueError(f"engine.type={self.cfg.engine.type!r} cannot take media prompts yet; "
                              "use engine.type=hf for rows with data.image_field / video_field / audio_field")
         self.media = MediaCodec.from_config(load_processor(self.cfg.model.path), self.cfg.data)
-        # held-out evaluation reads the same codec from the shared tokenizer (see runtime/evaluation.py)
-        self.tokenizer.streamrft_media = self.media
 
     def state_dict(self) -> dict:
         """What a checkpoint needs beyond (seed, step): the run-wide refill counter."""

@@ -31,6 +31,7 @@ class Pipeline:
         self.stages: list = []
         self.generator: Generator | None = None
         self.feed: LearnerFeed | None = None
+        self.advantage: AdvantageStage | None = None
         self.tasks: dict[asyncio.Task, str] = {}
 
     def _link(self, name: str, message_type) -> tuple[ChannelReceiver, ChannelSender]:
@@ -52,10 +53,11 @@ class Pipeline:
         feedback_in, to_generator = self._link("generator_feedback", Control)
         self.generator = Generator(ctx, feedback_in, to_reward, self.engine, self.tokenizer, self.dataset, cfg, self.world_size)
         self.feed = LearnerFeed(ctx, feed_in, cfg.rollout.max_staleness, self.policy_version_fn)
+        self.advantage = AdvantageStage(ctx, advantage_in, to_feed, to_generator, cfg)
         self.stages = [
             RewardScorerStage(ctx, reward_in, to_teacher, self.scorer, cfg.reward.max_concurrency),
             TeacherFetcherStage(ctx, teacher_in, to_advantage, self.teacher, cfg.reward.max_concurrency),
-            AdvantageStage(ctx, advantage_in, to_feed, to_generator, cfg),
+            self.advantage,
             self.feed,
         ]
         for stage in self.stages:
@@ -93,6 +95,13 @@ class Pipeline:
                     task.cancel()
                     # Its late exception (ChannelClosed at shutdown) is expected: mark it retrieved.
                     task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def take_dropped(self) -> list:
+        """Failed and filtered samples since the last call: (ScoredSample, tensors, status, reason)."""
+        if self.advantage is None:
+            return []
+        dropped, self.advantage.dropped = self.advantage.dropped, []
+        return dropped
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Stop every stage and close every socket (linger 0): nothing is left behind.

@@ -144,17 +144,22 @@ def test_tensorboard_has_the_steps_jsonl_scalars_under_the_same_names(observed):
     assert written == pytest.approx({s["step"]: s["reward_mean"] for s in steps}, rel=1e-6)
 
 
-def test_jsonl_and_parquet_hold_one_record_per_trained_sample(observed):
+def test_jsonl_and_parquet_hold_one_record_per_admitted_sample_with_its_status(observed):
     import pyarrow.parquet as pq
 
-    trained = observed["summary"]["samples_trained"]
-    assert 0 < trained < observed["summary"]["samples_admitted"]  # some were filtered and have no record
+    summary = observed["summary"]
+    trained, admitted = summary["samples_trained"], summary["samples_admitted"]
+    assert 0 < trained < admitted  # dynamic sampling filtered some groups
     rows = [json.loads(line) for f in sorted((observed["out"] / "jsonl").glob("*.jsonl")) for line in f.read_text().splitlines()]
     table = pq.read_table(sorted((observed["out"] / "parquet").glob("*.parquet")))
-    assert len(rows) == table.num_rows == trained
-    assert len({r["sample_id"] for r in rows}) == trained
+    assert len(rows) == table.num_rows == admitted  # every sample: trained, filtered (with reason) or failed
+    assert len({r["sample_id"] for r in rows}) == admitted
     assert sorted(table.column("sample_id").to_pylist()) == sorted(r["sample_id"] for r in rows)
-    assert all(r["status"] == "trained" and len(r["behaviour_logprobs"]) == len(r["response_ids"]) for r in rows)
+    assert sum(r["status"] == "trained" for r in rows) == trained
+    filtered = [r for r in rows if r["status"] == "filtered"]
+    assert filtered and {r["reason"] for r in filtered} == {"zero_variance"}
+    assert len(filtered) == summary["samples_filtered/zero_variance"]
+    assert all(len(r["behaviour_logprobs"]) == len(r["response_ids"]) for r in rows)
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (apt-get install -y prometheus)")
