@@ -5,7 +5,7 @@ file; relative paths are relative to the working directory).
 
 Two shapes of function are accepted, sync or ``async def``:
 
-* per sample: ``fn(response, reference, prompt=..., label=...) -> float``; ``prompt`` and ``label``
+* per sample: ``fn(response, reference, prompt=..., label=..., images=...) -> float``; ``prompt``, ``label`` and ``images`` (base64 strings)
   are passed only when the signature accepts them (by name or through ``**kwargs``);
 * batched: ``fn(responses, references, prompts=..., labels=...) -> list[float]`` (one float per
   sample, same order), declared with the :func:`batched` decorator or by setting the attribute
@@ -108,7 +108,7 @@ class RewardFunction:
         self.name = name
         self.is_batched = bool(getattr(fn, "batched", False))
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-        kw_names = ("prompts", "labels") if self.is_batched else ("prompt", "label")
+        kw_names = ("prompts", "labels", "images") if self.is_batched else ("prompt", "label", "images")
         self._keywords = _accepted_keywords(fn, kw_names)
 
     async def _call(self, *args: Any, **kwargs: Any) -> Any:
@@ -127,6 +127,8 @@ class RewardFunction:
             kwargs["prompt"] = item.prompt
         if "label" in self._keywords:
             kwargs["label"] = item.label
+        if "images" in self._keywords:
+            kwargs["images"] = list(item.images)  # base64 strings, one per distinct image of the sample
         try:
             return _as_float(await self._call(item.response, item.reference, **kwargs))
         except Exception as exc:  # reported per sample by the caller, never dropped
@@ -138,6 +140,8 @@ class RewardFunction:
             kwargs["prompts"] = [it.prompt for it in items]
         if "labels" in self._keywords:
             kwargs["labels"] = [it.label for it in items]
+        if "images" in self._keywords:
+            kwargs["images"] = [list(it.images) for it in items]
         responses = [it.response for it in items]
         references = [it.reference for it in items]
         try:

@@ -216,13 +216,16 @@ class RemoteRewardClient:
     # --- HTTP -----------------------------------------------------------------------------------
 
     async def _attempt_http(self, request_id: str, items: list[RewardItem]) -> list[float | None]:
-        body = json.dumps({
+        payload = {
             "request_id": request_id,
             "queries": [it.prompt + it.response for it in items],
             "prompts": [it.prompt for it in items],
             "references": [it.reference for it in items],
             "labels": [it.label for it in items],
-        }).encode()
+        }
+        if any(it.images for it in items):  # the common multimodal shape: a list of base64 images per sample
+            payload["images"] = [list(it.images) for it in items]
+        body = json.dumps(payload).encode()
         try:
             # The outer guard covers a thread stuck past urllib's own socket timeout.
             return await asyncio.wait_for(asyncio.to_thread(self._post, body, request_id), self.timeout_s + 1.0)

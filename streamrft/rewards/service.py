@@ -219,12 +219,17 @@ def _request_from_json(raw: bytes) -> RewardRequest:
         fields[key] = value
     if not all(isinstance(q, str) for q in queries):
         raise ValueError('"queries" must hold strings')
+    images = body.get("images", [[] for _ in range(n)])
+    if not isinstance(images, list) or len(images) != n or not all(
+        isinstance(v, list) and all(isinstance(b, str) for b in v) for v in images
+    ):
+        raise ValueError(f'"images" must be a list of {n} lists of base64 strings (one list per query)')
     items = []
     for i, query in enumerate(queries):
         prompt = fields["prompts"][i]
         response = query[len(prompt):] if prompt and query.startswith(prompt) else query
         items.append(RewardItem(sample_id=str(i), prompt=prompt, response=response,
-                                reference=fields["references"][i], label=fields["labels"][i]))
+                                reference=fields["references"][i], label=fields["labels"][i], images=images[i]))
     request_id = body.get("request_id") or f"http-{uuid.uuid4().hex}"
     if not isinstance(request_id, str):
         raise ValueError('"request_id" must be a string')

@@ -80,6 +80,15 @@ class _ConcurrentStage(Stage):
         raise NotImplementedError
 
 
+def _images_of(completion: Completion) -> list[str]:
+    """The sample's images for reward sources (base64, each distinct image encoded once)."""
+    if not any(ref.kind == "image" for ref in completion.media):
+        return []
+    from streamrft.data.media import encode_images_once
+
+    return encode_images_once(completion.media)
+
+
 class RewardScorerStage(_ConcurrentStage):
     name = "reward"
 
@@ -95,6 +104,7 @@ class RewardScorerStage(_ConcurrentStage):
             response=completion.response_text,
             reference=completion.reference,
             label=completion.label,
+            images=_images_of(completion),
         )
         (outcome,) = await self.scorer.score([item])
         error = outcome.error
