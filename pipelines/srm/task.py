@@ -16,13 +16,18 @@ import random
 from pipelines.arith.task import all_problems
 
 OFFSETS = (-20, -11, -10, -9, -2, -1, 1, 2, 9, 10, 11, 20)
+# Carry slips: a carry dropped or added into the tens / hundreds (+-10, +-100), a units digit off by one.
+HARD_OFFSETS = (-110, -100, -11, -10, -9, -1, 1, 9, 10, 11, 100)
 
 
-def wrong_answer(answer: str, rng: random.Random) -> str:
-    """A plausible wrong answer to ``answer`` (a non-negative integer string)."""
+def wrong_answer(answer: str, rng: random.Random, hard_fraction: float = 0.0) -> str:
+    """A plausible wrong answer to ``answer`` (a non-negative integer string): with probability
+    ``hard_fraction`` a carry slip (``HARD_OFFSETS``), else a near miss (``OFFSETS``) or one digit replaced."""
     value = int(answer)
     while True:
-        if rng.random() < 0.5:
+        if hard_fraction > 0 and rng.random() < hard_fraction:
+            candidate = value + rng.choice(HARD_OFFSETS)
+        elif rng.random() < 0.5:
             candidate = value + rng.choice(OFFSETS)
         else:
             digits = list(answer)
@@ -33,15 +38,17 @@ def wrong_answer(answer: str, rng: random.Random) -> str:
             return str(candidate)
 
 
-def make_pairs(split: str, n: int, seed: int, pairs_per_problem: int = 1, **task) -> list[dict]:
-    """``n`` preference rows from the ``split`` problems of the arith task (``task``: its operand range)."""
+def make_pairs(split: str, n: int, seed: int, pairs_per_problem: int = 1, hard_fraction: float = 0.0,
+               **task) -> list[dict]:
+    """``n`` preference rows from the ``split`` problems of the arith task (``task``: its operand range);
+    ``hard_fraction`` of the rejected answers are carry slips (:func:`wrong_answer`)."""
     rng = random.Random(seed)
     problems = all_problems(split, **task)
     rng.shuffle(problems)
     rows = []
     for prompt, answer in problems:
         for _ in range(pairs_per_problem):
-            rows.append({"prompt": prompt, "chosen": answer, "rejected": wrong_answer(answer, rng)})
+            rows.append({"prompt": prompt, "chosen": answer, "rejected": wrong_answer(answer, rng, hard_fraction)})
             if len(rows) == n:
                 return rows
     return rows

@@ -110,16 +110,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML/TOML file, apply overrides, type-check every key (unknown keys fail)."""
+def load_typed_config(path: str | Path | None, overrides: list[str] | None, config_type: type, what: str = "config"):
+    """Read a YAML/TOML file, apply dotted overrides, type-check every key into ``config_type``
+    (unknown keys fail). Shared by the training, reward-model and evaluation configs."""
     data = _read_file(Path(path)) if path else {}
     apply_overrides(data, overrides or [])
     try:
-        cfg = msgspec.convert(data, Config)
+        return msgspec.convert(data, config_type)
     except msgspec.ValidationError as exc:
-        where = f"{path}" if path else "config"
-        raise ConfigError(f"{where}: {exc}".replace("$.", "")) from None
-    return cfg
+        raise ConfigError(f"{path or what}: {exc}".replace("$.", "")) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """The training config: a YAML/TOML file plus overrides, every key type-checked."""
+    return load_typed_config(path, overrides, Config)
 
 
 def validate_config(cfg: Config, world_size: int = 1, check_paths: bool = True) -> None:

@@ -29,18 +29,24 @@ def validate_rollout(cfg, world_size: int) -> None:
         raise ConfigError(f"rollout.channel_transport={r.channel_transport!r}: choose inproc, ipc or tcp")
 
 
-def validate_engine(cfg) -> None:
-    e = cfg.engine
+def validate_sampling(e) -> None:
+    """Sampling settings no engine can run (every engine calls this on its EngineConfig)."""
     if e.temperature <= 0:
-        raise ConfigError(f"engine.temperature={e.temperature} must be > 0 (use top_k=1 for greedy)")
-    if not 0 < e.top_p <= 1:
+        raise ConfigError(f"engine.temperature={e.temperature} must be > 0; use engine.top_k=1 for greedy")
+    if not 0.0 < e.top_p <= 1.0:
         raise ConfigError(f"engine.top_p={e.top_p} must be in (0, 1]")
     if e.top_k < 0:
         raise ConfigError(f"engine.top_k={e.top_k} must be >= 0 (0 = off)")
     if e.max_new_tokens < 1:
         raise ConfigError(f"engine.max_new_tokens={e.max_new_tokens} must be >= 1")
+    if e.max_batch_size < 1:
+        raise ConfigError(f"engine.max_batch_size={e.max_batch_size} must be >= 1")
     if e.first_token_temperature < 0:
         raise ConfigError(f"engine.first_token_temperature={e.first_token_temperature} must be >= 0 (0 = off)")
+
+
+def validate_engine(cfg) -> None:
+    validate_sampling(cfg.engine)
 
 
 def validate_train(cfg) -> None:

@@ -45,19 +45,10 @@ if TYPE_CHECKING:
 
 
 def validate_engine_config(cfg: EngineConfig) -> None:
-    """Raise ValueError for sampling settings the hf engine cannot run."""
-    if cfg.temperature <= 0:
-        raise ValueError(f"engine.temperature={cfg.temperature} must be > 0; use engine.top_k=1 for greedy")
-    if not 0.0 < cfg.top_p <= 1.0:
-        raise ValueError(f"engine.top_p={cfg.top_p} must be in (0, 1]")
-    if cfg.top_k < 0:
-        raise ValueError(f"engine.top_k={cfg.top_k} must be >= 0 (0 = off)")
-    if cfg.first_token_temperature < 0:
-        raise ValueError(f"engine.first_token_temperature={cfg.first_token_temperature} must be >= 0 (0 = off)")
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"engine.max_new_tokens={cfg.max_new_tokens} must be >= 1")
-    if cfg.max_batch_size < 1:
-        raise ValueError(f"engine.max_batch_size={cfg.max_batch_size} must be >= 1")
+    """Raise ValueError (ConfigError) for settings the hf engine cannot run."""
+    from streamrft.config.validate import validate_sampling
+
+    validate_sampling(cfg)
     if cfg.cuda_graphs and not cfg.static_cache:
         raise ValueError("engine.cuda_graphs=true needs engine.static_cache=true")
     if cfg.sync_every < 1:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterable
 
 import torch
 
+from streamrft.config.validate import validate_sampling  # shared by every engine
 from streamrft.engines.base import GeneratedSample, GenerationRequest
 
 if TYPE_CHECKING:
@@ -87,20 +88,6 @@ def join_weight_group(backend: str, address: str, world_size: int, rank: int, gr
                                       group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
-
-
-def validate_sampling(cfg: EngineConfig) -> None:
-    """Raise ValueError for sampling settings no engine can run (shared by the vllm and sglang engines)."""
-    if cfg.temperature <= 0:
-        raise ValueError(f"engine.temperature={cfg.temperature} must be > 0; use engine.top_k=1 for greedy")
-    if not 0.0 < cfg.top_p <= 1.0:
-        raise ValueError(f"engine.top_p={cfg.top_p} must be in (0, 1]")
-    if cfg.top_k < 0:
-        raise ValueError(f"engine.top_k={cfg.top_k} must be >= 0 (0 = off)")
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"engine.max_new_tokens={cfg.max_new_tokens} must be >= 1")
-    if cfg.max_batch_size < 1:
-        raise ValueError(f"engine.max_batch_size={cfg.max_batch_size} must be >= 1")
 
 
 def validate_sglang_config(cfg: EngineConfig) -> None:

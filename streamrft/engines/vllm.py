@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterable
 import torch
 
 from streamrft.engines.base import GeneratedSample, GenerationRequest
-from streamrft.engines.sglang import http_json, validate_sampling
+from streamrft.config.validate import validate_sampling
+from streamrft.engines.sglang import http_json
 
 if TYPE_CHECKING:
     from streamrft.config.engine import EngineConfig

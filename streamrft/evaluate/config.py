@@ -5,9 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import msgspec
-
-from streamrft.config import apply_overrides
 from streamrft.config.base import ConfigError, Section
 
 
@@ -30,14 +27,9 @@ class EvalConfig(Section):
 
 
 def load_eval_config(path: str | Path | None, overrides: list[str] | None = None) -> EvalConfig:
-    from streamrft.config import _read_file
+    from streamrft.config import load_typed_config
 
-    data = _read_file(Path(path)) if path else {}
-    apply_overrides(data, overrides or [])
-    try:
-        return msgspec.convert(data, EvalConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{path or 'eval config'}: {exc}".replace("$.", "")) from None
+    return load_typed_config(path, overrides, EvalConfig, "eval config")
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:

@@ -11,7 +11,6 @@ from typing import Literal
 
 import msgspec
 
-from streamrft.config import apply_overrides
 from streamrft.config.base import ConfigError, Section
 
 
@@ -37,6 +36,7 @@ class RMTrainSection(Section):
     loss: Literal["bradley_terry", "log_exp", "hps"] = "bradley_terry"  # SRM pair loss (streamrft.rm.losses)
     temperature: float = 1.0  # hps loss temperature (> 0)
     grad_clip: float = 1.0  # SRM: max global grad norm; 0 = off
+    lm_coef: float = 0.0  # SRM: weight of an auxiliary next-token loss on the chosen responses (tied-embedding backbones)
     log_every: int = 50  # steps between log lines / train.jsonl records
 
 
@@ -58,14 +58,9 @@ class RMTrainConfig(Section):
 
 def load_rm_config(path: str | Path | None, overrides: list[str] | None = None) -> RMTrainConfig:
     """Read YAML/TOML, apply dotted overrides, type-check every key (unknown keys fail)."""
-    from streamrft.config import _read_file
+    from streamrft.config import load_typed_config
 
-    data = _read_file(Path(path)) if path else {}
-    apply_overrides(data, overrides or [])
-    try:
-        return msgspec.convert(data, RMTrainConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{path or 'rm config'}: {exc}".replace("$.", "")) from None
+    return load_typed_config(path, overrides, RMTrainConfig, "rm config")
 
 
 def validate_rm_config(cfg: RMTrainConfig, check_paths: bool = True) -> None:
@@ -74,6 +69,8 @@ def validate_rm_config(cfg: RMTrainConfig, check_paths: bool = True) -> None:
     if t.steps < 0 or t.batch_size < 1 or t.lr <= 0:
         raise ConfigError(f"train.steps={t.steps} (>= 0), train.batch_size={t.batch_size} (>= 1), "
                           f"train.lr={t.lr} (> 0): fix the one out of range")
+    if t.lm_coef < 0:
+        raise ConfigError(f"train.lm_coef={t.lm_coef} must be >= 0 (0 = no auxiliary LM loss)")
     if t.temperature <= 0:
         raise ConfigError(f"train.temperature={t.temperature} must be > 0")
     if cfg.kind == "grm":
@@ -81,7 +78,7 @@ def validate_rm_config(cfg: RMTrainConfig, check_paths: bool = True) -> None:
         # keep their defaults rather than be silently ignored.
         defaults = RMTrainConfig()
         for key in ("model.layer", "model.pooling", "model.num_heads", "train.loss", "train.temperature",
-                    "train.lr_schedule", "train.weight_decay", "train.grad_clip"):
+                    "train.lr_schedule", "train.weight_decay", "train.grad_clip", "train.lm_coef"):
             section, name = key.split(".")
             value = getattr(getattr(cfg, section), name)
             if value != getattr(getattr(defaults, section), name):

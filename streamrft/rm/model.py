@@ -107,6 +107,18 @@ class ScalarRewardModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Per-head rewards (B, H)."""
+        return self.rewards_and_states(input_ids, attention_mask)[0]
+
+    def lm_logits(self, last_BLD: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (B, L, V) from the backbone's final (normed) states through the tied
+        input embedding (the LM head the backbone was trained with); ValueError when it is not tied."""
+        if not getattr(self.backbone.config, "tie_word_embeddings", False):
+            raise ValueError("the backbone's LM head is not tied to its input embedding, so the RM keeps no LM "
+                             "head: set train.lm_coef=0")
+        return last_BLD @ self.backbone.get_input_embeddings().weight.T
+
+    def rewards_and_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-head rewards (B, H), the backbone's final normed hidden states (B, L, D))."""
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         h_BLD = out.hidden_states[self.layer]
         mask_BL = attention_mask.bool()
@@ -117,7 +129,7 @@ class ScalarRewardModel(torch.nn.Module):
         else:
             scores_BL = self.attn(h_BLD).squeeze(-1).masked_fill(~mask_BL, float("-inf"))
             v_BD = (torch.softmax(scores_BL.float(), dim=1).to(h_BLD.dtype).unsqueeze(-1) * h_BLD).sum(dim=1)
-        return self.heads(v_BD)
+        return self.heads(v_BD), out.last_hidden_state
 
     @torch.no_grad()
     def score(self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 64) -> list[float]:

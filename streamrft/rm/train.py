@@ -29,18 +29,42 @@ log = logging.getLogger(__name__)
 
 
 def pair_batch_loss(model: ScalarRewardModel, pairs: list[PreferencePair], loss: str,
-                    temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean loss, r_chosen (B, H), r_rejected (B, H)) for one batch of pairs."""
+                    temperature: float, lm_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, r_chosen (B, H), r_rejected (B, H)) for one batch of pairs.
+
+    With ``lm_coef > 0`` the loss adds ``lm_coef * chosen_lm_loss`` (:func:`chosen_lm_loss`) from the same
+    forward, so the backbone keeps predicting the preferred answers while its states learn to score them.
+    """
     prompts = [p.prompt for p in pairs] * 2
     responses = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     device = next(model.parameters()).device
     ids_BL, mask_BL = (t.to(device) for t in model.encode(prompts, responses))
-    r_2BH = model(ids_BL, mask_BL).float()
+    r_2BH, last_2BLD = model.rewards_and_states(ids_BL, mask_BL)
+    r_2BH = r_2BH.float()
     r_c, r_r = r_2BH[: len(pairs)], r_2BH[len(pairs):]
     margin_B = torch.tensor([p.margin for p in pairs], device=device)
     tie_B = torch.tensor([p.tie for p in pairs], device=device)
     per_pair = PAIR_LOSSES[loss](r_c, r_r, margin=margin_B, tie=tie_B, temperature=temperature)
-    return per_pair.mean(), r_c, r_r
+    total = per_pair.mean()
+    if lm_coef > 0:
+        n = len(pairs)
+        prompt_len_B = [len(model.tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for p in pairs]
+        total = total + lm_coef * chosen_lm_loss(model.lm_logits(last_2BLD[:n]).float(), ids_BL[:n], mask_BL[:n],
+                                                 torch.tensor(prompt_len_B, device=device))
+    return total, r_c, r_r
+
+
+def chosen_lm_loss(logits_BLV: torch.Tensor, ids_BL: torch.Tensor, mask_BL: torch.Tensor,
+                   prompt_len_B: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the response tokens (and eos) of each row:
+
+        L = -(1 / N) sum_b sum_{t >= P_b, mask} log p(x_{b,t} | x_{b,<t})     (P_b = prompt length of row b)
+    """
+    target_BL = ids_BL[:, 1:]
+    positions_L = torch.arange(1, ids_BL.shape[1], device=ids_BL.device)
+    keep_BL = mask_BL[:, 1:].bool() & (positions_L.unsqueeze(0) >= prompt_len_B.unsqueeze(1))
+    nll_BL = torch.nn.functional.cross_entropy(logits_BLV[:, :-1].transpose(1, 2), target_BL, reduction="none")
+    return (nll_BL * keep_BL).sum() / keep_BL.sum().clamp(min=1)
 
 
 @torch.no_grad()
@@ -90,7 +114,7 @@ def train_srm(cfg: RMTrainConfig) -> dict:
     losses: list[float] = []
     for step in range(1, t.steps + 1):
         batch = [train_pairs[rng.randrange(len(train_pairs))] for _ in range(t.batch_size)]
-        loss, _, _ = pair_batch_loss(model, batch, t.loss, t.temperature)
+        loss, _, _ = pair_batch_loss(model, batch, t.loss, t.temperature, t.lm_coef)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         if t.grad_clip > 0:

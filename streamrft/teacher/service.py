@@ -20,7 +20,6 @@ from protocols import ProtocolError, TeacherReply, TeacherRequest, decode, encod
 
 def _load(model_dir: str, device: str, dtype: str):
     import torch
-    from transformers import AutoModelForCausalLM
 
     from streamrft.models.tiny import load_policy
 
