@@ -29,6 +29,9 @@ from pipelines.srm.task import make_pairs, write_jsonl  # noqa: E402
 from streamrft.learner.sft import supervised_warmup  # noqa: E402
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy  # noqa: E402
 
+PAIRS_PER_PROBLEM = 16  # rejected answers per train problem (9011 train problems)
+HARD_FRACTION = 0.5  # share of rejected answers that are carry slips (task.HARD_OFFSETS)
+
 
 def build_backbone(out_dir: str, seed: int, warmup_steps: int, alphabet: str = ARITH_ALPHABET) -> str:
     """A tiny Qwen2 over ``alphabet`` warmed up on arith (prompt -> sum) for ``warmup_steps``."""
@@ -49,13 +52,25 @@ def build_backbone(out_dir: str, seed: int, warmup_steps: int, alphabet: str = A
     return out_dir
 
 
-def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 3000, n_train: int = 36000, n_eval: int = 500) -> dict:
-    """Returns ``{"backbone", "train_path", "eval_path"}``."""
+def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 3000, n_train: int | None = None, n_eval: int = 500,
+            pairs_per_problem: int = PAIRS_PER_PROBLEM, hard_fraction: float = HARD_FRACTION) -> dict:
+    """Returns ``{"backbone", "train_path", "eval_path"}``.
+
+    Training pairs: ``pairs_per_problem`` rejected answers for every train problem (``n_train`` = None:
+    all of them), ``hard_fraction`` of them carry slips (pipelines.srm.task.wrong_answer). Held-out pairs:
+    one near miss (the default mix, no extra carry slips) for each of ``n_eval`` eval problems. The train
+    file is rewritten when its settings (``pairs_train.json``) differ from the requested ones.
+    """
     out = Path(out_dir)
     backbone = build_backbone(str(out / "backbone"), seed, warmup_steps)
     train_path, eval_path = str(out / "pairs_train.jsonl"), str(out / "pairs_eval.jsonl")
-    if not os.path.isfile(train_path):
-        write_jsonl(train_path, make_pairs("train", n_train, seed, pairs_per_problem=4, **TASK))
+    settings = {"seed": seed, "n_train": n_train, "pairs_per_problem": pairs_per_problem, "hard_fraction": hard_fraction}
+    meta = out / "pairs_train.json"
+    if not os.path.isfile(train_path) or not meta.is_file() or json.loads(meta.read_text()) != settings:
+        rows = make_pairs("train", n_train or 10 ** 9, seed, pairs_per_problem=pairs_per_problem,
+                          hard_fraction=hard_fraction, **TASK)
+        write_jsonl(train_path, rows)
+        meta.write_text(json.dumps(settings))
     if not os.path.isfile(eval_path):
         write_jsonl(eval_path, make_pairs("eval", n_eval, seed + 1, **TASK))
     return {"backbone": backbone, "train_path": train_path, "eval_path": eval_path}

@@ -83,7 +83,7 @@ def test_every_shipped_pipeline_config_loads_and_validates():
     each load through their own typed loader and validate."""
     import yaml
 
-    from streamrft.evaluate.config import load_eval_config, validate_eval_config
+    from streamrft.evaluate.config import load_eval_config
     from streamrft.rm.config import load_rm_config, validate_rm_config
 
     configs = sorted((REPO / "pipelines").glob("*/*.yaml"))
