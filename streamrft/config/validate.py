@@ -89,20 +89,16 @@ def validate_data(cfg) -> None:
 
 
 def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:
-    if check_paths:
-        from streamrft.rewards.validate import validate_reward_paths
+    """Settings first (they need nothing on disk), then files (model, data, reward models)."""
+    from streamrft.algorithms.validate import validate_algorithm
+    from streamrft.config.checkpoint import validate_checkpoint
+    from streamrft.learner.lora import validate_lora
+    from streamrft.rewards.validate import validate_reward, validate_reward_paths
 
-        validate_model(cfg)
-        validate_data(cfg)
-        validate_reward_paths(cfg)
     validate_rollout(cfg, world_size)
     validate_engine(cfg)
-    from streamrft.config.checkpoint import validate_checkpoint
-
     validate_checkpoint(cfg)
     validate_train(cfg)
-    from streamrft.learner.lora import validate_lora
-
     try:
         validate_lora(cfg.model)
     except ValueError as exc:
@@ -114,9 +110,9 @@ def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:
         )
     if cfg.train.critic_lr <= 0:
         raise ConfigError(f"train.critic_lr={cfg.train.critic_lr} must be > 0")
-    from streamrft.algorithms.validate import validate_algorithm
-
     validate_algorithm(cfg)
-    from streamrft.rewards.validate import validate_reward
-
     validate_reward(cfg)
+    if check_paths:
+        validate_model(cfg)
+        validate_data(cfg)
+        validate_reward_paths(cfg)

@@ -106,3 +106,10 @@ def test_every_shipped_pipeline_config_loads_and_validates():
 def test_exponent_numbers_without_a_dot_are_numbers():
     cfg = load_config(None, ["train.lr=1e-3"])
     assert cfg.train.lr == 1e-3
+
+
+def test_the_cli_reports_an_incompatible_setting_before_anything_starts(capsys):
+    from streamrft.cli import main
+
+    assert main(["train", str(REPO / "pipelines/arith/config.yaml"), "--dry-run", "rollout.n_samples_per_prompt=1"]) == 2
+    assert "needs rollout.n_samples_per_prompt >= 2, got 1" in capsys.readouterr().err
