@@ -75,6 +75,9 @@ class ActorUpdate:
         # Running reward statistics, identical on every rank (batch-scope estimators only).
         self.reward_norm = RunningMeanStd(self.algo.norm_eps) if self.algo.reward_running_norm else None
         self._codec = None  # MediaCodec, built on the first batch with media
+        # Per trained sample of the last step (batch order): the learner's log-probs and entropy.
+        self.last_policy_logprobs: list[torch.Tensor | None] = []
+        self.last_entropy: list[torch.Tensor | None] = []
 
     @property
     def kl_coef(self) -> float:
@@ -189,7 +192,7 @@ class ActorUpdate:
                 mini_seqs = self._global(sum(n_sequences(mb) for mb in mini))
                 for mb in mini:
                     stats = self.strategy.forward_backward(
-                        mb, self._loss_fn(mini_tokens, mini_seqs), self.temperature, with_entropy=True
+                        mb, self._loss_fn(mini_tokens, mini_seqs, record=mb), self.temperature, with_entropy=True
                     )
                     for k, v in stats.items():
                         totals[k] = totals.get(k, 0.0) + float(v)
@@ -217,9 +220,13 @@ class ActorUpdate:
             self.kl_ctl.update(kl_per_sequence, int(n_seqs))
         out["train_tokens"] = n_tokens
         out["train_sequences"] = n_seqs
+        self.last_policy_logprobs = self.per_sample(mbs, "policy_logprobs", len(batch))
+        self.last_entropy = self.per_sample(mbs, "entropy", len(batch))
         return out
 
-    def _loss_fn(self, n_tokens_global: float, n_seqs_global: float):
+    def _loss_fn(self, n_tokens_global: float, n_seqs_global: float, record: dict | None = None):
+        """The loss of one microbatch; ``record`` (the caller's microbatch dict; the strategy may pass a
+        moved copy to loss_fn) receives this pass's log-probs and entropy for the trajectory sinks."""
         algo, max_len = self.algo, self.cfg.engine.max_new_tokens
 
         def loss_fn(mb, logp_BL, entropy_BL):
@@ -254,10 +261,22 @@ class ActorUpdate:
                 if name in out.metrics:
                     metrics[f"{name}_sum"] = (out.metrics[name].detach().to(mask.dtype) * mask).sum()
             metrics["loss_sum"] = loss.detach()
+            if record is not None:  # the learner's log-probs and entropy in this (last) pass
+                record["policy_logprobs"] = logp_BL.detach().float().cpu()
+                if entropy_BL is not None:
+                    record["entropy"] = entropy_BL.detach().float().cpu()
             return loss, metrics
 
         return loss_fn
 
+    def per_sample(self, mbs, key: str, n: int) -> list[torch.Tensor | None]:
+        """Response-token values of ``key`` per sample (None where the last pass did not record it)."""
+        rows: list[torch.Tensor | None] = [None] * n
+        for mb in mbs:
+            if key in mb:
+                for idx, values in rows_by_sample(mb, key).items():
+                    rows[idx] = values.float()
+        return rows
 
     def _advantages(self, mb, student_logp):
         """Task advantages, replaced (``teacher.mode=pure``) or complemented (``hybrid``) by the

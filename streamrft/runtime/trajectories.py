@@ -5,7 +5,10 @@ from __future__ import annotations
 from protocols import TrajectoryRecord
 
 
-def _record(run, step: int, header, prompt_ids, response_ids, behaviour_logprobs, advantage: float, status: str, reason: str):
+def _record(run, step: int, header, prompt_ids, response_ids, behaviour_logprobs, advantage: float, status: str,
+            reason: str, policy_logprobs=None, entropy=None):
+    """``entropy``: the learner's full-distribution entropy per response token when it trained the
+    sample; otherwise the sampled token's surprisal (−behaviour log-prob), an estimate of it."""
     c = header.completion
     return TrajectoryRecord(
         run_id=run.run_id,
@@ -19,7 +22,8 @@ def _record(run, step: int, header, prompt_ids, response_ids, behaviour_logprobs
         prompt_ids=prompt_ids.tolist(),
         response_ids=response_ids.tolist(),
         behaviour_logprobs=behaviour_logprobs.tolist(),
-        entropy=(-behaviour_logprobs).tolist(),  # surprisal of the sampled token: a per-token entropy estimate
+        policy_logprobs=policy_logprobs.tolist() if policy_logprobs is not None else [],
+        entropy=(entropy if entropy is not None else -behaviour_logprobs).tolist(),
         reward=header.reward,
         reward_components=dict(header.reward_components),
         advantage=advantage,
@@ -34,9 +38,14 @@ def _record(run, step: int, header, prompt_ids, response_ids, behaviour_logprobs
 def trajectory_records(run, step: int, batch, dropped=()) -> list[TrajectoryRecord]:
     """``batch``: the trained TrainSamples; ``dropped``: (ScoredSample, tensors, status, reason)."""
     records = []
-    for s in batch:
+    policy = getattr(run.actor, "last_policy_logprobs", [])
+    entropy = getattr(run.actor, "last_entropy", [])
+    for i, s in enumerate(batch):
         adv = float(s.advantages[0]) if s.advantages is not None and len(s.advantages) else 0.0
-        records.append(_record(run, step, s.header, s.prompt_ids, s.response_ids, s.behaviour_logprobs, adv, "trained", ""))
+        lp = policy[i] if i < len(policy) else None
+        ent = entropy[i] if i < len(entropy) else None
+        records.append(_record(run, step, s.header, s.prompt_ids, s.response_ids, s.behaviour_logprobs, adv,
+                               "trained", "", lp, ent))
     for header, tensors, status, reason in dropped:
         records.append(_record(run, step, header, tensors["prompt_ids"], tensors["response_ids"],
                                tensors["behaviour_logprobs"], 0.0, status, reason))

@@ -159,6 +159,10 @@ def test_jsonl_and_parquet_hold_one_record_per_admitted_sample_with_its_status(o
     assert filtered and {r["reason"] for r in filtered} == {"zero_variance"}
     assert len(filtered) == summary["samples_filtered/zero_variance"]
     assert all(len(r["behaviour_logprobs"]) == len(r["response_ids"]) for r in rows)
+    for r in rows:
+        if r["status"] == "trained":  # the learner's own log-probs and entropy, one per response token
+            assert len(r["policy_logprobs"]) == len(r["entropy"]) == len(r["response_ids"])
+            assert all(e >= 0 for e in r["entropy"])
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (apt-get install -y prometheus)")
