@@ -19,8 +19,11 @@ $(BASE_STAMP): pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $(BASE_STAMP)
 
-# Test extras: pytest, DeepSpeed (CPU, no op builds) and W&B (offline mode).
+# Test extras: pytest, DeepSpeed (CPU, no op builds) and W&B (offline mode). DeepSpeed ships as an sdist
+# whose build imports torch: build it against the venv's CPU torch, not an isolated env that would
+# fetch an unpinned (CUDA) torch.
 $(DEV_STAMP): $(BASE_STAMP)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation 'deepspeed>=0.16'
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[dev]'
 	touch $(DEV_STAMP)
 
