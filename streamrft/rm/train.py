@@ -3,8 +3,8 @@
 SRM: each step takes ``train.batch_size`` pairs, scores chosen and rejected in one forward (2B rows),
 and minimises the mean of ``PAIR_LOSSES[train.loss]`` over pairs and heads, plus ``train.lm_coef`` times
 the next-token loss of the chosen responses (:func:`chosen_lm_loss`, through the backbone's tied LM head)
-with AdamW. The auxiliary loss keeps the backbone's knowledge of what the right response is while its
-states learn to score; on the arith SRM it lifts held-out pairwise accuracy from 93.8% to 98.0%.
+with AdamW. The auxiliary loss is meant to keep the backbone's knowledge of the right response while its
+states learn to score; on the arith SRM (pipelines/srm) it did not help on average over three seeds.
 GRM: supervised next-token loss on the judgment tokens only (prompt tokens carry no loss), the same
 objective as :mod:`streamrft.learner.sft` with the judge prompt as the prompt.
 
