@@ -117,19 +117,19 @@ class Generator(Stage):
         return group, torch.tensor(ids, dtype=torch.int64)
 
     def _admit(self, step: int, position: int, refill: int | None):
-        """``_group``, or None after failing the group's samples when its media cannot be read."""
-        if self.media is None:
-            return self._group(step, position, refill)
+        """``_group``, or None after failing the group's samples when its row cannot be used (media
+        that cannot be read, a prompt over data.max_prompt_tokens): counted, named, the run goes on."""
         from streamrft.data.media import MediaError
 
         try:
             return self._group(step, position, refill)
-        except MediaError as exc:
+        except (MediaError, DataError) as exc:
             if self.ctx.fail_fast:
                 raise
+            kind = "media_error" if isinstance(exc, MediaError) else "data_error"
             n = self.cfg.rollout.n_samples_per_prompt
             self.ctx.accounting.admit(n)
-            self.ctx.accounting.fail(f"media_error: {exc}", n)
+            self.ctx.accounting.fail(f"{kind}: {exc}", n)
             log.warning("generator rank %d: %d samples failed: %s", self.ctx.rank, n, exc)
             return None
 

@@ -131,3 +131,20 @@ def test_fail_fast_stops_the_run_naming_the_sample(arith_dir, tmp_path):
 
     with pytest.raises(StageError, match=r"stage reward on rank 0: sample s0-p\d+-\d+ failed: .*fail_fast"):
         asyncio.run(go())
+
+
+def test_a_prompt_over_max_prompt_tokens_fails_its_samples_naming_the_row_and_the_run_goes_on(arith_dir, tmp_path):
+    from streamrft.runtime.driver import _shutdown, train_loop
+
+    run = build(arith_dir, tmp_path, "train.max_steps=2", "data.eval_path=", "data.max_prompt_tokens=5")
+
+    async def go():
+        try:
+            return await train_loop(run)
+        finally:
+            await _shutdown(run)
+
+    asyncio.run(go())
+    acct = run.accounting
+    assert acct.failed["data_error"] > 0 and acct.trained > 0  # "12+34=" is 6 tokens, "1+2=" is 4
+    assert acct.admitted == acct.trained + sum(acct.filtered.values()) + sum(acct.failed.values())
