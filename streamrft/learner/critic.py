@@ -158,14 +158,9 @@ class Critic:
         self._move_to(self.device)
 
     def _move_to(self, device: torch.device) -> None:
-        if self.device.type == "cpu":
-            return
-        self.module.to(device)
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and k != "step":
-                    state[k] = v.to(device, non_blocking=True)
-        torch.cuda.synchronize()
+        from streamrft.learner.memory import move_module_and_optimizer
+
+        move_module_and_optimizer(self.module, self.optimizer, device, self.device)
 
     def save(self, path: str) -> None:
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)

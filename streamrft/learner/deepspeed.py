@@ -216,16 +216,9 @@ class DeepSpeedStrategy:
         named = self._full_named()
         if self.model_cfg.lora_rank > 0:
             named = merge_lora_named_tensors(named, lora_scaling(self.model_cfg))
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, full in named:
-            bucket.append((name, full))
-            size += full.numel() * full.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+        from streamrft.learner.memory import bucketed
+
+        yield from bucketed(named, bucket_bytes)
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def save(self, path: str) -> None:

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from streamrft.learner.base import LossFn
+from streamrft.learner.memory import bucketed, move_module_and_optimizer
 from streamrft.learner.logprobs import token_logprobs
 from streamrft.learner.optim import build_lr_scheduler, build_optimizer
 
@@ -227,16 +228,7 @@ class FSDP2Strategy:
         self._move_to(self.device)
 
     def _move_to(self, device: torch.device) -> None:
-        if self.device.type == "cpu":
-            return
-        self.module.to(device)
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and k != "step":
-                    state[k] = v.to(device, non_blocking=True)
-        torch.cuda.synchronize()
-        if device.type == "cpu":
-            torch.cuda.empty_cache()
+        move_module_and_optimizer(self.module, self.optimizer, device, self.device)
 
     # ---- weights out ---------------------------------------------------------------------------------
     def full_state_for_engine(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -246,22 +238,13 @@ class FSDP2Strategy:
         """
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
         named = ((n, v.full_tensor() if isinstance(v, DTensor) else v) for n, v in self.module.state_dict().items())
         if self.model_cfg.lora_rank > 0:
             from streamrft.learner.lora import lora_scaling, merge_lora_named_tensors
 
             named = merge_lora_named_tensors(named, lora_scaling(self.model_cfg))  # adapters folded in
-        for name, full in named:
-            full = full.to(self.compute_dtype) if full.is_floating_point() else full
-            bucket.append((name, full))
-            size += full.numel() * full.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+        cast = ((n, t.to(self.compute_dtype) if t.is_floating_point() else t) for n, t in named)
+        yield from bucketed(cast, bucket_bytes)
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def save(self, path: str) -> None:
