@@ -44,3 +44,29 @@ def arith_overrides(arith_dir: Path, output_dir: Path, *extra: str) -> list[str]
         "train.max_steps=1",
         *extra,
     ]
+
+
+def sigterm_after_step(cmd: list[str], env: dict, step: int, wait_s: float = 120, new_session: bool = False) -> tuple[int, str]:
+    """Start a training command, send SIGTERM once it prints ``step {step}/``, and return
+    (exit code, all output). ``new_session``: a launcher with children (torchrun), killed as a group
+    if it outlives the test."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=new_session)
+    try:
+        deadline = time.monotonic() + wait_s
+        for line in proc.stdout:
+            if line.startswith(f"step {step}/"):
+                break
+            assert time.monotonic() < deadline, f"no step {step} within {wait_s:.0f} s"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL) if new_session else proc.kill()
+            proc.wait(10)
+    return proc.returncode, out

@@ -57,38 +57,32 @@ def build(arith_dir, out, *extra):
     return build_run(cfg, dist)
 
 
-def test_first_sample_is_scored_before_the_last_generation_of_the_step_ends(arith_dir, tmp_path):
+async def run_loop(run):
+    """The driver's train loop, then its shutdown (sockets, sinks, scorer) whatever happened."""
     from streamrft.runtime.driver import _shutdown, train_loop
 
+    try:
+        return await train_loop(run)
+    finally:
+        await _shutdown(run)
+
+
+def test_first_sample_is_scored_before_the_last_generation_of_the_step_ends(arith_dir, tmp_path):
     run = build(arith_dir, tmp_path, "reward.sources=[{name: exact, type: custom, fn: tests.integration.test_pipeline_stages:recording_reward}]",
                 "engine.max_batch_size=4", "data.eval_path=")
     recorder = RecordingEngine(run.engine)
     run.pipeline.engine = recorder
     SCORE_TIMES.clear()
 
-    async def go():
-        try:
-            return await train_loop(run)
-        finally:
-            await _shutdown(run)
-
-    asyncio.run(go())
+    asyncio.run(run_loop(run))
     assert len(recorder.yield_times) == 32 and len(SCORE_TIMES) == 32
     assert min(SCORE_TIMES) < max(recorder.yield_times), "scoring waited for the whole step's generation"
 
 
 def test_phase_switches_follow_the_colocated_sequence(arith_dir, tmp_path):
-    from streamrft.runtime.driver import _shutdown, train_loop
-
     run = build(arith_dir, tmp_path, "train.max_steps=2", "data.eval_path=")
 
-    async def go():
-        try:
-            return await train_loop(run)
-        finally:
-            await _shutdown(run)
-
-    asyncio.run(go())
+    asyncio.run(run_loop(run))
     to_rollout = ["offload", "weight_push", "unshard", "wake"]
     to_train = ["decide", "sleep", "reshard", "reload"]
     assert run.phase.events == to_rollout + (to_train + to_rollout) * 2
@@ -98,18 +92,10 @@ def test_phase_switches_follow_the_colocated_sequence(arith_dir, tmp_path):
 
 
 def test_a_reward_function_that_raises_fails_those_samples_and_the_run_goes_on(arith_dir, tmp_path):
-    from streamrft.runtime.driver import _shutdown, train_loop
-
     run = build(arith_dir, tmp_path, "train.max_steps=2", "data.eval_path=",
                 "reward.sources=[{name: exact, type: custom, fn: tests.integration.test_pipeline_stages:flaky_reward}]")
 
-    async def go():
-        try:
-            return await train_loop(run)
-        finally:
-            await _shutdown(run)
-
-    summary = asyncio.run(go())
+    summary = asyncio.run(run_loop(run))
     acct = run.accounting
     assert acct.admitted == 2 * 32
     assert sum(acct.failed.values()) > 0, "the flaky reward never raised: pick another rule"
@@ -118,33 +104,17 @@ def test_a_reward_function_that_raises_fails_those_samples_and_the_run_goes_on(a
 
 
 def test_fail_fast_stops_the_run_naming_the_sample(arith_dir, tmp_path):
-    from streamrft.runtime.driver import _shutdown, train_loop
-
     run = build(arith_dir, tmp_path, "fail_fast=true", "data.eval_path=",
                 "reward.sources=[{name: exact, type: custom, fn: tests.integration.test_pipeline_stages:flaky_reward}]")
 
-    async def go():
-        try:
-            return await train_loop(run)
-        finally:
-            await _shutdown(run)
-
     with pytest.raises(StageError, match=r"stage reward on rank 0: sample s0-p\d+-\d+ failed: .*fail_fast"):
-        asyncio.run(go())
+        asyncio.run(run_loop(run))
 
 
 def test_a_prompt_over_max_prompt_tokens_fails_its_samples_naming_the_row_and_the_run_goes_on(arith_dir, tmp_path):
-    from streamrft.runtime.driver import _shutdown, train_loop
-
     run = build(arith_dir, tmp_path, "train.max_steps=2", "data.eval_path=", "data.max_prompt_tokens=5")
 
-    async def go():
-        try:
-            return await train_loop(run)
-        finally:
-            await _shutdown(run)
-
-    asyncio.run(go())
+    asyncio.run(run_loop(run))
     acct = run.accounting
     assert acct.failed["data_error"] > 0 and acct.trained > 0  # "12+34=" is 6 tokens, "1+2=" is 4
     assert acct.admitted == acct.trained + sum(acct.filtered.values()) + sum(acct.failed.values())

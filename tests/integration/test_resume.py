@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from streamrft.checkpoint import complete_checkpoints, read_meta
-from tests.integration.conftest import REPO, arith_overrides, free_port
+from tests.integration.conftest import REPO, arith_overrides, free_port, sigterm_after_step
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO / "pipelines" / "arith" / "config.yaml"
@@ -140,20 +140,8 @@ def test_a_killed_two_rank_run_resumes_bitwise_like_an_uninterrupted_one(arith_d
 
 def test_sigterm_saves_the_last_completed_step_and_exits_cleanly(arith_dir, tmp_path):
     cmd, env = command(arith_dir, tmp_path, 1, "train.max_steps=1000")
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        for line in proc.stdout:
-            if line.startswith("step 2/"):
-                break
-            assert time.monotonic() < deadline, "no second step within 120 s"
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 130, out[-3000:]
+    code, out = sigterm_after_step(cmd, env, step=2)
+    assert code == 130, out[-3000:]
     assert "stopped by SIGTERM on rank 0; sockets closed" in out
     ((step, path),) = complete_checkpoints(tmp_path)  # save_every=0: only the signal's checkpoint
     meta = read_meta(path)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from streamrft.config import load_config
-from tests.integration.conftest import REPO, arith_overrides, free_port
+from tests.integration.conftest import REPO, arith_overrides, free_port, sigterm_after_step
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO / "pipelines" / "arith" / "config.yaml"
@@ -76,44 +74,18 @@ def test_more_ranks_give_the_same_first_step_loss_as_one_rank(arith_dir, tmp_pat
 
 def test_sigterm_stops_training_cleanly_with_a_message(arith_dir, tmp_path):
     overrides = arith_overrides(arith_dir, tmp_path, "train.max_steps=1000")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamrft.cli", "train", str(CONFIG), *overrides],
-        env=env_one_thread(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        for line in proc.stdout:
-            if line.startswith("step 1/"):
-                break
-            assert time.monotonic() < deadline, "no training step within 120 s"
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 130
+    code, out = sigterm_after_step([sys.executable, "-m", "streamrft.cli", "train", str(CONFIG), *overrides],
+                                   env_one_thread(), step=1)
+    assert code == 130
     assert "stopped by SIGTERM on rank 0; sockets closed" in out
 
 
 def test_sigterm_to_torchrun_stops_both_ranks_and_leaves_no_process(arith_dir, tmp_path):
     overrides = arith_overrides(arith_dir, tmp_path, "train.max_steps=1000")
     env = dict(env_one_thread(), NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
-    proc = subprocess.Popen([str(REPO / "launch" / "colocate.sh"), str(CONFIG), *overrides], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        for line in proc.stdout:
-            if line.startswith("step 2/"):
-                break
-            assert time.monotonic() < deadline, "no training step within 180 s"
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    assert proc.returncode != 0
+    code, out = sigterm_after_step([str(REPO / "launch" / "colocate.sh"), str(CONFIG), *overrides], env, step=2,
+                                   wait_s=180, new_session=True)
+    assert code != 0
     assert "stopped by SIGTERM on rank 0; sockets closed" in out
     assert "stopped by SIGTERM on rank 1; sockets closed" in out
     # No orphan: nothing is left running with this run's output folder on its command line.
