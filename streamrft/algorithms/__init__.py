@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from streamrft.algorithms._masked import identity
+from streamrft.algorithms._masked import identity, pad_rows
 from streamrft.algorithms.advantage_types import AdvantageInputs, AdvantageOutputs, Estimator, clip_advantages
 from streamrft.algorithms.advantages_batch import gae, reinforce, reinforce_plus_plus, value_loss
 from streamrft.algorithms.advantages_group import cpgd, dr_grpo, group_norm, reinforce_baseline, rloo
@@ -77,6 +77,7 @@ __all__ = [
     "FixedKLController",
     "RunningMeanStd",
     "aggregate_loss",
+    "pad_rows",
     "clip_advantages",
     "clip_rewards",
     "entropy_from_logits",

@@ -76,3 +76,16 @@ def masked_global_mean_std(x_BT: Tensor, mask_BT: Tensor, all_reduce_sum) -> tup
 def mask_out(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """x where mask is set, exactly 0 elsewhere (also where x is nan or inf)."""
     return torch.where(mask_BT > 0, x_BT, torch.zeros_like(x_BT))
+
+
+def pad_rows(rows: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Ragged per-sample vectors -> (values_BT, mask_BT), right-padded with zeros (float32).
+
+    T is the longest row (at least 1), so an all-empty batch still has a valid (B, 1) shape."""
+    T = max((len(r) for r in rows), default=0) or 1
+    values_BT = torch.zeros(len(rows), T, dtype=torch.float32)
+    mask_BT = torch.zeros(len(rows), T, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        values_BT[i, : len(r)] = r
+        mask_BT[i, : len(r)] = 1.0
+    return values_BT, mask_BT

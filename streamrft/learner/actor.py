@@ -18,6 +18,7 @@ from streamrft.algorithms import (
     RunningMeanStd,
     aggregate_loss,
     make_kl_controller,
+    pad_rows,
 )
 from streamrft.algorithms.filters import high_entropy_token_mask
 from streamrft.learner.microbatch import SequenceSample, make_microbatches, padding_microbatch
@@ -34,16 +35,6 @@ _TOKEN_METRICS = {
     "tis_clipped": "tis_clipped_fraction",
     "tis_weight": "tis_weight_mean",
 }
-
-
-def _pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max((len(r) for r in rows), default=0) or 1
-    out = torch.zeros(len(rows), T, dtype=torch.float32)
-    mask = torch.zeros(len(rows), T, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-        mask[i, : len(r)] = 1.0
-    return out, mask
 
 
 def _rows_from_microbatches(mbs, key: str, n: int) -> list[torch.Tensor]:
@@ -144,15 +135,15 @@ class ActorUpdate:
             self.reward_norm.update(rewards, self.all_reduce_sum)
             rewards = self.reward_norm.normalize(rewards)
         mask_rows = [torch.ones(len(s.response_ids)) for s in batch]
-        _, mask_BT = _pad_rows(mask_rows)
+        _, mask_BT = pad_rows(mask_rows)
         token_rewards = None
         if self.kl_coef > 0 and self.algo.kl_mode == "reward":
             kl_rows = [k for k in _rows_from_microbatches(mbs, "kl_tokens", n)]
-            kl_BT, _ = _pad_rows(kl_rows)
+            kl_BT, _ = pad_rows(kl_rows)
             token_rewards = -self.kl_coef * kl_BT
         values_BT = None
         if self.estimator.needs_critic:
-            values_BT, _ = _pad_rows(_rows_from_microbatches(mbs, "old_values", n))
+            values_BT, _ = pad_rows(_rows_from_microbatches(mbs, "old_values", n))
         out = self.estimator.fn(
             AdvantageInputs(rewards=rewards, group_index=group_index, response_mask=mask_BT, token_rewards=token_rewards, values=values_BT),
             self.algo,

@@ -13,8 +13,7 @@ import time
 import torch
 
 from protocols import Control, ScoredSample
-from streamrft.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs
-from streamrft.algorithms import clip_rewards
+from streamrft.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, clip_rewards, pad_rows
 from streamrft.algorithms.filters import overlong_penalty, zero_variance_groups
 from streamrft.runtime.stage import Stage, StageContext
 
@@ -22,10 +21,7 @@ from streamrft.runtime.stage import Stage, StageContext
 def group_advantages(rewards_B: torch.Tensor, response_lens: list[int], algo_cfg) -> list[torch.Tensor]:
     """Per-sample advantage vectors (response_len,) of one prompt group, from a group-scope estimator."""
     estimator = ADVANTAGE_ESTIMATORS[algo_cfg.advantage_estimator]
-    T = max(max(response_lens), 1)
-    mask_BT = torch.zeros(len(response_lens), T, dtype=torch.float32)
-    for i, n in enumerate(response_lens):
-        mask_BT[i, :n] = 1.0
+    _, mask_BT = pad_rows([torch.ones(n) for n in response_lens])
     inputs = AdvantageInputs(
         rewards=rewards_B.to(torch.float32),
         group_index=torch.zeros(len(response_lens), dtype=torch.int64),
