@@ -23,13 +23,25 @@ log = logging.getLogger("streamrft")
 async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: int, all_reduce_sum, limit: int = 0, correct_threshold: float = 1.0, media=None) -> dict[str, float]:
     rows = dataset.rows[:limit] if limit else dataset.rows
     mine = rows[rank::world_size]
-    if media is not None:
-        return await _evaluate_media(engine, tokenizer, dataset, mine, scorer, all_reduce_sum, rank, correct_threshold, media)
-    requests = [
-        GenerationRequest(request_id=str(i), prompt_ids=tokenizer.encode(r.prompt, add_special_tokens=False), seed=0)
-        for i, r in enumerate(mine)
-    ]
-    outputs = {out.request_id: out async for out in engine.generate(requests)} if requests else {}
+    requests, mm, kept, errors = [], {}, [], 0
+    for i, r in enumerate(mine):
+        if media is None:
+            ids = tokenizer.encode(r.prompt, add_special_tokens=False)
+        else:
+            from streamrft.data.media import MediaError
+
+            try:
+                inputs = media.inputs(r.prompt, media.refs(r, dataset.path), f"{dataset.path} row {r.row}")
+            except MediaError as exc:
+                errors += 1
+                log.warning("evaluation rank %d: %s", rank, exc)
+                continue
+            ids = inputs["input_ids"][0].tolist()
+            mm[str(i)] = inputs
+        requests.append(GenerationRequest(request_id=str(i), prompt_ids=ids, seed=0))
+        kept.append((i, r))
+    generation = engine.generate(requests, mm_inputs=mm) if mm else engine.generate(requests)
+    outputs = {out.request_id: out async for out in generation} if requests else {}
     items = [
         RewardItem(
             sample_id=f"eval-{rank}-{i}",
@@ -38,13 +50,14 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
             reference=r.reference,
             label=r.label,
         )
-        for i, r in enumerate(mine)
+        for i, r in kept
     ]
-    return await _score(items, scorer, all_reduce_sum, correct_threshold)
+    return await _score(items, scorer, all_reduce_sum, correct_threshold, errors,
+                        extra="heldout_media_errors" if media is not None else None)
 
 
 async def _score(items, scorer, all_reduce_sum, correct_threshold, n_errors: int = 0, extra=None) -> dict[str, float]:
-    """Score ``items``, add ``n_errors`` rows worth 0, reduce over ranks."""
+    """Score ``items``, add ``n_errors`` rows worth 0, reduce over ranks; ``extra`` names the error count."""
     outcomes = await scorer.score(items) if items else []
     rewards = [o.reward if not o.error else 0.0 for o in outcomes] + [0.0] * n_errors
     sums = [float(len(rewards)), float(sum(rewards)), float(sum(r >= correct_threshold for r in rewards))]
@@ -56,34 +69,6 @@ async def _score(items, scorer, all_reduce_sum, correct_threshold, n_errors: int
     if extra is not None:
         out[extra] = total[3].item()
     return out
-
-
-async def _evaluate_media(engine, tokenizer, dataset, mine, scorer, all_reduce_sum, rank, correct_threshold, media):
-    from streamrft.data.media import MediaError
-
-    requests, mm, kept, errors = [], {}, [], 0
-    for i, r in enumerate(mine):
-        try:
-            inputs = media.inputs(r.prompt, media.refs(r, dataset.path), f"{dataset.path} row {r.row}")
-        except MediaError as exc:
-            errors += 1
-            log.warning("evaluation rank %d: %s", rank, exc)
-            continue
-        requests.append(GenerationRequest(request_id=str(i), prompt_ids=inputs["input_ids"][0].tolist(), seed=0))
-        mm[str(i)] = inputs
-        kept.append((i, r))
-    outputs = {out.request_id: out async for out in engine.generate(requests, mm_inputs=mm)} if requests else {}
-    items = [
-        RewardItem(
-            sample_id=f"eval-{rank}-{i}",
-            prompt=r.prompt,
-            response=tokenizer.decode(outputs[str(i)].response_ids, skip_special_tokens=True),
-            reference=r.reference,
-            label=r.label,
-        )
-        for i, r in kept
-    ]
-    return await _score(items, scorer, all_reduce_sum, correct_threshold, errors, extra="heldout_media_errors")
 
 
 def greedy_engine_config(engine_cfg):
