@@ -19,6 +19,7 @@ class EngineConfig(Section):
     static_cache: bool = False  # hf: preallocated KV cache + on-device sampling (engines/hf_fast.py); GPU speed
     cuda_graphs: bool = False  # hf: replay each decode step from a CUDA graph; needs static_cache and CUDA
     sync_every: int = 16  # hf static_cache: decode steps between host checks for finished rows
+    decode_kernels: Literal["auto", "torch", "triton"] = "auto"  # hf static_cache: fused decode ops; auto = Triton on CUDA when installed
     sleep_level: int = 1  # 1 = free KV cache; 2 = also release weights (vllm / sglang)
     request_timeout_s: float = 600.0  # remote vllm / sglang: seconds one HTTP call may take
     tensor_parallel_size: int = 1  # vllm in process: GPUs per engine (one engine per tensor-parallel group)

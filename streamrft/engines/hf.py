@@ -103,9 +103,10 @@ class HFEngine:
         eos = frozenset() if cfg.ignore_eos else frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(cfg.stop_token_ids) | eos
         if cfg.static_cache:
-            from streamrft.engines.hf_fast import check_static_support
+            from streamrft.engines.hf_fast import check_static_support, decode_kernels
 
             check_static_support(module)
+            decode_kernels(cfg.decode_kernels, torch.device(device))  # fails early on an unusable choice
             if cfg.cuda_graphs and torch.device(device).type != "cuda":
                 raise ValueError(f"engine.cuda_graphs=true needs a CUDA device, got {device}; "
                                  "set engine.cuda_graphs=false")

@@ -4,43 +4,46 @@ The eager path (``hf.py``) grows a ``DynamicCache``, copies every token to the h
 random number per row from a ``torch.Generator`` at every step: fine on CPU, but on a GPU each decode
 step then costs hundreds of small launches and a host sync. Here, for a chunk of B requests:
 
-* the KV cache is preallocated once, ``k, v: (B, n_kv, L_prompt + N_new, head_dim)`` per layer, and a
-  key-validity mask ``ok_B11S`` (bool) marks the real prompt tokens and the decoded slots;
-* prefill and decode run the decoder's own submodules (norms, projections, MLP, rotary embedding)
-  with our attention over that cache: for one query token, the ``n_heads / n_kv`` query heads that
-  share a KV head are folded into the query-length axis, so plain SDPA does grouped-query attention
-  with no copy of K/V:  ``q (B, n_kv, group, d) · k (B, n_kv, S, d)ᵀ``;
-* sampling stays on the device: a counter-based uniform ``u = hash(seed, step)`` replaces the
-  per-row generator (a row's draw still depends only on its own seed and step, never on its batch),
-  then inverse-CDF sampling from ``softmax(process_logits(z))`` exactly as ``sampling.sample_tokens``;
+* the KV cache is preallocated once, ``k, v: (B, n_kv, L_prompt + N_new, head_dim)`` per layer; prompts
+  are left-padded, so row b's live slots are ``start_B[b] .. L_prompt - 1 + step``, one contiguous range;
+* prefill runs the decoder's own submodules (norms, projections, MLP, rotary embedding) with SDPA over
+  the padded prompts and fills the cache;
+* a decode step runs on the same weights, with q/k/v and gate/up projections concatenated into one GEMM
+  each, and the fused operations of ``decode_ops`` (torch) or ``triton_decode`` (Triton kernels,
+  ``engine.decode_kernels``): residual add + RMSNorm, rotary + cache write + grouped-query attention over
+  the live slots only, SiLU-gate, and sampling by an exponential race with a counter-based hash of
+  (row seed, step, token), so a row's draw depends only on its own seed and step, never on its batch;
 * one decode step (forward, sampling, bookkeeping) has fixed shapes and no host syncs, so with
   ``engine.cuda_graphs`` it is captured once per chunk in a CUDA graph and replayed;
 * the host reads the per-row first stop position only every ``engine.sync_every`` steps; finished
   rows keep decoding (masked out afterwards) until the whole chunk is done.
 
-Supported: Llama/Qwen2-style decoders (``model.layers[i].self_attn.{q,k,v,o}_proj``, RMSNorm,
-rotary embedding, no sliding window). The same seed gives the same tokens within this path; the
-random stream differs from the eager path's.
+Supported: Llama/Qwen2-style decoders (``model.layers[i].self_attn.{q,k,v,o}_proj``, RMSNorm, SiLU-gated
+MLP, rotary embedding, no sliding window). The same seed gives the same tokens within this path (and
+the same kernels); the random stream differs from the eager path's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
 import time
 import warnings
+from types import ModuleType
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
 import torch
 import torch.nn.functional as F
 
+from streamrft.engines import decode_ops
 from streamrft.engines.base import GeneratedSample, GenerationRequest
 from streamrft.engines.sampling import process_logits
 
 if TYPE_CHECKING:
     from streamrft.engines.hf import HFEngine
 
-_M32 = 0xFFFFFFFF
 _SUPPORTED = ("qwen2", "llama", "mistral")
 
 
@@ -51,43 +54,33 @@ def check_static_support(module: torch.nn.Module) -> None:
     if kind not in _SUPPORTED:
         raise ValueError(f"engine.static_cache=true supports model types {_SUPPORTED}, got {kind!r}; "
                          "set engine.static_cache=false for this model")
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"engine.static_cache=true supports SiLU-gated MLPs, got hidden_act={config.hidden_act!r}; "
+                         "set engine.static_cache=false for this model")
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         raise ValueError("engine.static_cache=true does not support sliding-window attention "
                          f"(sliding_window={config.sliding_window}); set engine.static_cache=false")
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xor-shift-multiply), on int64 tensors holding values < 2**32."""
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _M32
-    return x ^ (x >> 16)
+def decode_kernels(kind: str, device: torch.device) -> ModuleType:
+    """The module of fused decode operations for ``engine.decode_kernels`` on ``device``.
 
+    ``auto``: Triton kernels on CUDA when the ``triton`` package is installed, else the torch functions.
+    ``triton`` on a CPU runs only under Triton's interpreter (``TRITON_INTERPRET=1``, for tests)."""
+    if kind not in ("auto", "torch", "triton"):
+        raise ValueError(f"engine.decode_kernels={kind!r}: use auto, torch or triton")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if kind == "torch" or (kind == "auto" and not (device.type == "cuda" and has_triton)):
+        return decode_ops
+    if not has_triton:
+        raise ValueError("engine.decode_kernels=triton needs the triton package; install it or set "
+                         "engine.decode_kernels=auto")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"engine.decode_kernels=triton needs a CUDA device, got {device}; "
+                         "set engine.decode_kernels=auto (or TRITON_INTERPRET=1 to test the kernels on a CPU)")
+    from streamrft.engines import triton_decode
 
-def counter_uniform(seeds_B: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """u ∈ [0, 1) float64 per row, a pure function of (seed, step): 48 bits from two hashed words."""
-    lo, hi = seeds_B & _M32, (seeds_B >> 32) & _M32
-    s = _mix32((step.to(torch.int64) + 0x9E3779B9) & _M32)
-    a = _mix32(lo ^ _mix32(hi ^ s))
-    b = _mix32(a ^ 0x85EBCA6B)
-    return ((a >> 8) * (1 << 24) + (b >> 8)).double() / float(1 << 48)
-
-
-def sample_from_uniform(logits_BV: torch.Tensor, u_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse-CDF draw of one token per row from softmax(logits) given ``u_B``; returns (tokens, logp).
-
-    ``logp = z[x] - logsumexp(z)`` is the log-prob of the drawn token under that distribution."""
-    lse_B = torch.logsumexp(logits_BV, dim=-1)
-    probs_BV = torch.exp(logits_BV - lse_B.unsqueeze(-1))
-    cdf_BV = torch.cumsum(probs_BV, dim=-1)
-    threshold_B1 = (u_B.to(cdf_BV.dtype) * cdf_BV[:, -1]).unsqueeze(-1)
-    tokens_B = torch.searchsorted(cdf_BV, threshold_B1, right=True).squeeze(-1)
-    vocab = logits_BV.shape[-1]
-    last_positive_B = vocab - 1 - torch.argmax(torch.flip(probs_BV > 0, dims=[-1]).int(), dim=-1)
-    tokens_B = torch.minimum(tokens_B, last_positive_B)
-    logp_B = logits_BV.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1) - lse_B
-    return tokens_B, logp_B
+    return triton_decode
 
 
 @dataclass
@@ -110,6 +103,43 @@ def _parts(module: torch.nn.Module) -> _Parts:
                   module.get_output_embeddings(), cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
 
 
+@dataclass
+class _LayerWeights:
+    """One decoder layer's weights as a decode step uses them: q/k/v and gate/up concatenated."""
+
+    ln1: torch.Tensor
+    ln1_eps: float
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2: torch.Tensor
+    ln2_eps: float
+    gate_up_w: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+
+
+def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+                      for lin in linears])
+
+
+def _layer_weights(layer: torch.nn.Module) -> _LayerWeights:
+    """Concatenated copies (one GEMM for q|k|v, one for gate|up); taken per chunk, after any weight push."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return _LayerWeights(
+        layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
+        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+        _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj.weight, attn.o_proj.bias,
+        layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon),
+        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(mlp.gate_proj, mlp.up_proj),
+        mlp.down_proj.weight, mlp.down_proj.bias)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (rotate-half form), x (B, H, T, d), cos/sin (B, T, d)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -123,8 +153,11 @@ class StaticDecoder:
 
     def __init__(self, module, prompts: list[list[int]], seeds: list[int], n_new: int, pad_id: int,
                  stop_ids: list[int], temperature: float, first_temperature: float, top_k: int, top_p: float,
-                 device: torch.device):
+                 device: torch.device, ops: ModuleType = decode_ops):
         self.p = _parts(module)
+        self.ops = ops
+        self.w = [_layer_weights(layer) for layer in self.p.layers]
+        self.sm_scale = float(self.p.layers[0].self_attn.scaling)
         self.temperature, self.first_temperature = temperature, first_temperature
         self.top_k, self.top_p = top_k, top_p
         B, Lp = len(prompts), max(len(p) for p in prompts)
@@ -142,8 +175,7 @@ class StaticDecoder:
         shape = (B, self.p.n_kv, self.S, self.p.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.p.layers]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.p.layers]
-        self.ok_B11S = torch.zeros((B, 1, 1, self.S), dtype=torch.bool, device=device)
-        self.ok_B11S[:, 0, 0, :Lp] = self.real_BL
+        self.start_B = torch.tensor([Lp - len(p) for p in prompts], dtype=torch.int64, device=device)
         self.seeds_B = torch.tensor(seeds, dtype=torch.int64, device=device)
         self.stop_K = torch.tensor(sorted(stop_ids) or [-1], dtype=torch.int64, device=device)
         self.tokens_BN = torch.zeros((B, n_new), dtype=torch.int64, device=device)
@@ -196,23 +228,25 @@ class StaticDecoder:
 
     def _decode_step(self) -> None:
         """One token for every row: fixed shapes, no host sync (graph-capturable)."""
-        B, group = self.B, self.p.n_heads // self.p.n_kv
-        slot_1 = self.step_1 + (self.Lp - 1)  # the slot of the token being fed (sampled at step-1)
-        self.ok_B11S.index_fill_(3, slot_1, True)
-
-        def attend(i, q, k, v, scale):
-            self.k[i].index_copy_(2, slot_1, k)
-            self.v[i].index_copy_(2, slot_1, v)
-            q_g = q.reshape(B, self.p.n_kv, group, self.p.head_dim)  # query head h uses kv head h // group
-            o = F.scaled_dot_product_attention(q_g, self.k[i], self.v[i], attn_mask=self.ok_B11S, scale=scale)
-            return o.reshape(B, 1, -1)
-
-        h_B1H = self._layers(self.p.embed(self.tok_B.unsqueeze(-1)), self.pos_B.unsqueeze(-1), attend)
-        self._sample(self.p.head(h_B1H[:, 0]), self.temperature)
+        ops, p = self.ops, self.p
+        res_BH, delta_BH = F.embedding(self.tok_B, p.embed.weight), None
+        for i, w in enumerate(self.w):
+            res_BH, h_BH = ops.add_rmsnorm(res_BH, delta_BH, w.ln1, w.ln1_eps)
+            qkv_BX = F.linear(h_BH, w.qkv_w, w.qkv_b)
+            o_BD = ops.decode_attention(qkv_BX, self.k[i], self.v[i], self.start_B, self.step_1, self.Lp - 1,
+                                        self.pos_B, self.inv_freq, self.rope_scale, self.sm_scale, p.n_heads, p.n_kv)
+            res_BH, h_BH = ops.add_rmsnorm(res_BH, F.linear(o_BD, w.o_w, w.o_b), w.ln2, w.ln2_eps)
+            delta_BH = F.linear(ops.silu_mul(F.linear(h_BH, w.gate_up_w, w.gate_up_b)), w.down_w, w.down_b)
+        _, h_BH = ops.add_rmsnorm(res_BH, delta_BH, p.norm.weight, float(p.norm.variance_epsilon))
+        self._sample(F.linear(h_BH, p.head.weight, p.head.bias), self.temperature)
 
     def _sample(self, raw_logits_BV: torch.Tensor, temperature: float) -> None:
-        logits_BV = process_logits(raw_logits_BV, temperature, self.top_k, self.top_p)
-        tokens_B, logp_B = sample_from_uniform(logits_BV, counter_uniform(self.seeds_B, self.step_1))
+        """Draw token ``step_1`` of every row; temperature alone is folded into the sampling kernel."""
+        if self.top_k > 0 or self.top_p < 1.0:
+            logits_BV, inv_temperature = process_logits(raw_logits_BV, temperature, self.top_k, self.top_p), 1.0
+        else:
+            logits_BV, inv_temperature = raw_logits_BV, 1.0 / temperature
+        tokens_B, logp_B = self.ops.race_sample(logits_BV, inv_temperature, self.seeds_B, self.step_1)
         self.tokens_BN.index_copy_(1, self.step_1, tokens_B.unsqueeze(-1))
         self.logp_BN.index_copy_(1, self.step_1, logp_B.unsqueeze(-1))
         is_stop_B = (tokens_B.unsqueeze(-1) == self.stop_K).any(-1)
@@ -240,7 +274,7 @@ class StaticDecoder:
             t.copy_(s)
 
     def _state(self) -> list[torch.Tensor]:
-        return [self.ok_B11S, self.tokens_BN, self.logp_BN, self.first_stop_B, self.tok_B, self.pos_B, self.step_1]
+        return [self.tokens_BN, self.logp_BN, self.first_stop_B, self.tok_B, self.pos_B, self.step_1]
 
     def run_steps(self, n: int) -> torch.Tensor:
         """Decode ``n`` more steps, then one host sync: returns first_stop_B on the CPU."""
@@ -271,7 +305,8 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
         with torch.no_grad():
             dec = StaticDecoder(engine.module, [r.prompt_ids for r in requests], [r.seed for r in requests],
                                 n_new, engine.pad_token_id, sorted(engine.stop_token_ids), cfg.temperature,
-                                cfg.first_token_temperature, cfg.top_k, cfg.top_p, engine.device)
+                                cfg.first_token_temperature, cfg.top_k, cfg.top_p, engine.device,
+                                decode_kernels(cfg.decode_kernels, engine.device))
             dec.prefill()
             if cfg.cuda_graphs and n_new > 1:
                 try:
@@ -314,5 +349,4 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
     del dec
 
 
-__all__ = ["StaticDecoder", "check_static_support", "counter_uniform", "generate_chunk_static", "kv_cache_bytes",
-           "sample_from_uniform"]
+__all__ = ["StaticDecoder", "check_static_support", "decode_kernels", "generate_chunk_static", "kv_cache_bytes"]

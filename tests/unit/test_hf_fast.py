@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from streamrft.config.engine import EngineConfig
 from streamrft.engines.base import GenerationRequest
 from streamrft.engines.hf import HFEngine
-from streamrft.engines.hf_fast import counter_uniform, sample_from_uniform
+from streamrft.engines.decode_ops import race_sample, race_uniform, row_keys
 
 
 def _model(vocab=40):
@@ -60,21 +60,49 @@ def test_static_path_stops_at_a_stop_token_unless_ignore_eos():
     assert out2[0].response_ids == [9] * 5 and out2[0].finish_reason == "length"
 
 
-def test_counter_uniform_depends_only_on_seed_and_step():
+def test_race_uniforms_depend_only_on_seed_step_and_token():
     seeds = torch.tensor([1, 2, 3, 1 << 40], dtype=torch.int64)
-    u0 = counter_uniform(seeds, torch.tensor([0]))
-    assert torch.equal(u0[[0, 3]], counter_uniform(seeds[[0, 3]], torch.tensor([0])))
-    assert not torch.equal(u0, counter_uniform(seeds, torch.tensor([1])))
-    assert bool(((u0 >= 0) & (u0 < 1)).all())
-    u = counter_uniform(torch.arange(20000, dtype=torch.int64), torch.tensor([7]))
-    assert abs(u.mean().item() - 0.5) < 0.01
+    u0 = race_uniform(row_keys(seeds, torch.tensor([0])), 50)
+    assert torch.equal(u0[[0, 3]], race_uniform(row_keys(seeds[[0, 3]], torch.tensor([0])), 50))
+    assert not torch.equal(u0, race_uniform(row_keys(seeds, torch.tensor([1])), 50))
+    assert not torch.equal(u0[0], u0[1])
+    assert bool(((u0 >= 0) & (u0 <= 1)).all())
+    u = race_uniform(row_keys(torch.arange(400, dtype=torch.int64), torch.tensor([7])), 500).double()
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
 
 
-def test_sample_from_uniform_inverts_the_cdf_and_skips_zero_mass_tokens():
-    logits = torch.log(torch.tensor([[0.5, 0.0, 0.25, 0.25], [0.5, 0.0, 0.25, 0.25]]))
-    tokens, logp = sample_from_uniform(logits, torch.tensor([0.6, 0.999999], dtype=torch.float64))
-    assert tokens.tolist() == [2, 3]
-    assert logp.tolist() == pytest.approx([torch.log(torch.tensor(0.25)).item()] * 2)
+def test_race_sample_draws_from_the_softmax():
+    """Frequencies over 40000 seeds against softmax(z / T): a chi-square test, df = 4."""
+    z = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5])
+    T, n = 0.8, 40000
+    tokens, logp = race_sample(z.expand(n, -1), 1 / T, torch.arange(n, dtype=torch.int64), torch.tensor([3]))
+    p = torch.softmax(z / T, -1).double()
+    counts = torch.bincount(tokens, minlength=6).double()
+    assert counts[4] == 0  # a -inf entry is never drawn
+    live = p > 0
+    chi2 = (((counts - n * p) ** 2)[live] / (n * p)[live]).sum().item()
+    assert chi2 < 18.5  # chi-square(4) 0.999 quantile
+    torch.testing.assert_close(logp, torch.log(p.float())[tokens])
+
+
+def test_race_sample_row_does_not_depend_on_its_batch():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(6, 100, generator=g)
+    seeds = torch.arange(6, dtype=torch.int64) * 977
+    full, _ = race_sample(z, 1.0, seeds, torch.tensor([5]))
+    part, _ = race_sample(z[[4, 1]], 1.0, seeds[[4, 1]], torch.tensor([5]))
+    assert part.tolist() == full[[4, 1]].tolist()
+
+
+def test_decode_kernels_choice(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from streamrft.engines import decode_ops
+    from streamrft.engines.hf_fast import decode_kernels
+
+    assert decode_kernels("auto", torch.device("cpu")) is decode_ops
+    assert decode_kernels("torch", torch.device("cpu")) is decode_ops
+    with pytest.raises(ValueError, match="engine.decode_kernels=triton needs"):
+        decode_kernels("triton", torch.device("cpu"))
 
 
 def test_cuda_graphs_without_static_cache_is_a_config_error():

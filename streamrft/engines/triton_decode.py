@@ -1,0 +1,234 @@
+"""Triton kernels for the static-cache decode step: the same functions as ``decode_ops.py``, one launch each.
+
+A decode step at batch 512 is memory-bound and made of small tensors (512 × hidden), so the eager
+sequence of ~40 torch kernels per layer costs more in launches and round trips through memory than in
+arithmetic. These kernels fuse what belongs together and keep the arithmetic (and its rounding points)
+of the reference functions:
+
+* ``add_rmsnorm``: residual add + RMSNorm in one pass over the row;
+* ``silu_mul``: the gated MLP activation on the concatenated [gate | up] output;
+* ``decode_attention``: rotary on q and k, the k/v write into the cache, and grouped-query attention
+  (online softmax, flash-decoding style) of one token over only the row's valid slots
+  ``start .. slot``: one program per (row, KV head) loads the cache once for all the query heads that
+  share it, so the bytes read are the KV cache's live part, not the whole preallocated length;
+* ``race_sample``: the exponential race over the vocabulary with the hash drawn in registers, plus the
+  log-sum-exp for the log-prob, in one pass over the logits (no float32 copy, no cumulative sum).
+
+Every launch reads the step counter from device memory, so a CUDA graph replays them unchanged.
+Tests compare each kernel with its reference (``TRITON_INTERPRET=1`` runs them on the CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from streamrft.engines import decode_ops as ref
+
+# kernels may read module globals only as constexpr values: the reference's hash constants
+M32 = tl.constexpr(ref.M32)
+MIX_MUL = tl.constexpr(ref.MIX_MUL)
+VOCAB_MUL = tl.constexpr(ref.VOCAB_MUL)
+WORD2_XOR = tl.constexpr(ref.WORD2_XOR)
+STEP_ADD = tl.constexpr(ref.STEP_ADD)
+SMALL_U = tl.constexpr(ref.SMALL_U)
+
+
+@triton.jit
+def _mix32_u32(x):
+    x = x ^ (x >> 16)
+    x = x * MIX_MUL
+    x = x ^ (x >> 16)
+    x = x * MIX_MUL
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _mix32_i64(x):
+    x = x ^ (x >> 16)
+    x = (x * MIX_MUL) & M32
+    x = x ^ (x >> 16)
+    x = (x * MIX_MUL) & M32
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _race_sample_kernel(z_ptr, stride_z, inv_temp, seeds_ptr, step_ptr, tok_ptr, logp_ptr, V,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    seed = tl.load(seeds_ptr + row).to(tl.int64)
+    step = tl.load(step_ptr).to(tl.int64)
+    s = _mix32_i64((step + STEP_ADD) & M32)
+    key = _mix32_i64((seed & M32) ^ _mix32_i64(((seed >> 32) & M32) ^ s)).to(tl.uint32)
+    neg_inf = float("-inf")
+    lane_best = tl.full([BLOCK], neg_inf, tl.float32)
+    lane_idx = tl.zeros([BLOCK], dtype=tl.int32)
+    lane_z = tl.zeros([BLOCK], dtype=tl.float32)
+    lane_m = tl.full([BLOCK], neg_inf, tl.float32)
+    lane_s = tl.zeros([BLOCK], dtype=tl.float32)
+    offs0 = tl.arange(0, BLOCK)
+    for v0 in range(0, V, BLOCK):
+        offs = v0 + offs0
+        valid = offs < V
+        z = tl.load(z_ptr + row * stride_z + offs, mask=valid, other=neg_inf).to(tl.float32) * inv_temp
+        a = _mix32_u32(key ^ (offs.to(tl.uint32) * VOCAB_MUL))
+        b = _mix32_u32(a ^ WORD2_XOR)
+        u = a.to(tl.float32) * 2.3283064365386963e-10 + b.to(tl.float32) * 5.421010862427522e-20
+        e = tl.where(u < SMALL_U, u * (1.0 + u * (0.5 + u * (1.0 / 3.0))), -tl.log(1.0 - u))
+        live = z > neg_inf
+        score = tl.where(live, z - tl.log(e), neg_inf)
+        take = score > lane_best
+        lane_best = tl.where(take, score, lane_best)
+        lane_idx = tl.where(take, offs, lane_idx)
+        lane_z = tl.where(take, z, lane_z)
+        m_new = tl.maximum(lane_m, z)
+        m_safe = tl.where(m_new > neg_inf, m_new, 0.0)
+        lane_s = lane_s * tl.exp(lane_m - m_safe) + tl.where(live, tl.exp(z - m_safe), 0.0)
+        lane_m = m_new
+    best = tl.max(lane_best, 0)
+    idx = tl.min(tl.where(lane_best == best, lane_idx, V), 0)
+    z_best = tl.sum(tl.where((lane_idx == idx) & (lane_best == best), lane_z, 0.0), 0)
+    m = tl.max(lane_m, 0)
+    total = tl.sum(tl.where(lane_m > neg_inf, lane_s * tl.exp(lane_m - m), 0.0), 0)
+    tl.store(tok_ptr + row, idx.to(tl.int64))
+    tl.store(logp_ptr + row, z_best - m - tl.log(total))
+
+
+def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.Tensor,
+                step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    B, V = logits_BV.shape
+    logits_BV = logits_BV if logits_BV.stride(-1) == 1 else logits_BV.contiguous()
+    tokens = torch.empty(B, dtype=torch.int64, device=logits_BV.device)
+    logp = torch.empty(B, dtype=torch.float32, device=logits_BV.device)
+    _race_sample_kernel[(B,)](logits_BV, logits_BV.stride(0), float(inv_temperature), seeds_B, step, tokens, logp,
+                              V, BLOCK=1024, num_warps=4)
+    return tokens, logp
+
+
+@triton.jit
+def _add_rmsnorm_kernel(res_ptr, delta_ptr, w_ptr, res_out_ptr, h_out_ptr, H, eps,
+                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    valid = offs < H
+    r = tl.load(res_ptr + row * H + offs, mask=valid, other=0.0)
+    dtype = r.dtype
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * H + offs, mask=valid, other=0.0)
+        r = (r.to(tl.float32) + d.to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + row * H + offs, r, mask=valid)
+    x = r.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + eps)
+    w = tl.load(w_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    h = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(h_out_ptr + row * H + offs, h, mask=valid)
+
+
+def add_rmsnorm(res_BH: torch.Tensor, delta_BH: torch.Tensor | None, weight_H: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H = res_BH.shape
+    h = torch.empty_like(res_BH)
+    res_out = res_BH if delta_BH is None else torch.empty_like(res_BH)
+    _add_rmsnorm_kernel[(B,)](res_BH, res_BH if delta_BH is None else delta_BH, weight_H, res_out, h, H, float(eps),
+                              HAS_DELTA=delta_BH is not None, BLOCK=triton.next_power_of_2(H),
+                              num_warps=4 if H <= 2048 else 8)
+    return res_out, h
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < I
+    g = tl.load(gu_ptr + row * 2 * I + offs, mask=valid, other=0.0)
+    u = tl.load(gu_ptr + row * 2 * I + I + offs, mask=valid, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    tl.store(out_ptr + row * I + offs, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=valid)
+
+
+def silu_mul(gate_up_BI2: torch.Tensor) -> torch.Tensor:
+    B, I2 = gate_up_BI2.shape
+    out = torch.empty((B, I2 // 2), dtype=gate_up_BI2.dtype, device=gate_up_BI2.device)
+    block = 1024
+    _silu_mul_kernel[(B, triton.cdiv(I2 // 2, block))](gate_up_BI2, out, I2 // 2, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _decode_attention_kernel(qkv_ptr, kc_ptr, vc_ptr, out_ptr, start_ptr, step_ptr, pos_ptr, inv_freq_ptr,
+                             slot_base, rope_scale, sm_scale,
+                             stride_qkv, stride_cb, stride_ch, stride_cs,
+                             N_HEADS: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr,
+                             GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                             PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    half: tl.constexpr = D // 2
+    slot = slot_base + tl.load(step_ptr).to(tl.int32)
+    start = tl.load(start_ptr + b).to(tl.int32)
+    pos = tl.load(pos_ptr + b).to(tl.float32)
+    offs_d = tl.arange(0, D)
+    partner = (offs_d + half) % D
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    freq = pos * tl.load(inv_freq_ptr + offs_d % half)
+    cos = tl.cos(freq) * rope_scale
+    sin = tl.sin(freq) * rope_scale
+    offs_g = tl.arange(0, GROUP_PAD)
+    live_g = offs_g < GROUP
+    row = qkv_ptr + b * stride_qkv
+    q_at = row + (h * GROUP + offs_g)[:, None] * D
+    q = tl.load(q_at + offs_d[None, :], mask=live_g[:, None], other=0.0)
+    dtype = q.dtype
+    q_rot = tl.load(q_at + partner[None, :], mask=live_g[:, None], other=0.0).to(tl.float32) * sign[None, :]
+    q = (q.to(tl.float32) * cos[None, :] + q_rot * sin[None, :]).to(dtype)
+    k_at = row + (N_HEADS + h) * D
+    k = tl.load(k_at + offs_d).to(tl.float32)
+    k = (k * cos + tl.load(k_at + partner).to(tl.float32) * sign * sin).to(dtype)
+    v = tl.load(row + (N_HEADS + N_KV + h) * D + offs_d)
+    cache_off = b * stride_cb + h * stride_ch
+    tl.store(kc_ptr + cache_off + slot * stride_cs + offs_d, k)
+    tl.store(vc_ptr + cache_off + slot * stride_cs + offs_d, v)
+    # the current token from registers; the older slots start .. slot-1 from the cache
+    m = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * sm_scale
+    l_sum = tl.full([GROUP_PAD], 1.0, tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32) + v.to(tl.float32)[None, :]
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for n0 in range((start // BLOCK_N) * BLOCK_N, slot, BLOCK_N):
+        offs_n = n0 + offs_n0
+        live_n = (offs_n >= start) & (offs_n < slot)
+        at = cache_off + offs_n[:, None] * stride_cs + offs_d[None, :]
+        kb = tl.load(kc_ptr + at, mask=live_n[:, None], other=0.0)
+        vb = tl.load(vc_ptr + at, mask=live_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * sm_scale
+        s = tl.where(live_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vb, input_precision=PRECISION)
+        m = m_new
+    out = (acc / l_sum[:, None]).to(dtype)
+    tl.store(out_ptr + b * (N_HEADS * D) + (h * GROUP + offs_g)[:, None] * D + offs_d[None, :], out,
+             mask=live_g[:, None])
+
+
+def decode_attention(qkv_BX: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_B: torch.Tensor,
+                     step: torch.Tensor, slot_base: int, pos_B: torch.Tensor, inv_freq: torch.Tensor,
+                     rope_scale: float, sm_scale: float, n_heads: int, n_kv: int) -> torch.Tensor:
+    B, d = qkv_BX.shape[0], k_cache.shape[-1]
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("decode_attention: k/v caches must be contiguous in the head dimension, same strides")
+    group = n_heads // n_kv
+    out = torch.empty((B, n_heads * d), dtype=qkv_BX.dtype, device=qkv_BX.device)
+    precision = "ieee" if qkv_BX.dtype == torch.float32 else None  # float32 models: no TF32 rounding
+    _decode_attention_kernel[(B, n_kv)](
+        qkv_BX, k_cache, v_cache, out, start_B, step, pos_B, inv_freq, int(slot_base), float(rope_scale),
+        float(sm_scale), qkv_BX.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_HEADS=n_heads, N_KV=n_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d,
+        BLOCK_N=64, PRECISION=precision, num_warps=4)
+    return out
+
+
+__all__ = ["add_rmsnorm", "decode_attention", "race_sample", "silu_mul"]

@@ -1,0 +1,121 @@
+"""The Triton decode kernels against their torch references (decode_ops), on CUDA or, without a GPU,
+under Triton's interpreter (TRITON_INTERPRET=1, set before the kernels are defined)."""
+
+import math
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # read when triton is imported: set it first
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from streamrft.engines import decode_ops as ref  # noqa: E402
+from streamrft.engines import triton_decode as tri  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_matches_the_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    res = torch.randn(5, 40, generator=g).to(DEV, dtype)
+    delta = torch.randn(5, 40, generator=g).to(DEV, dtype)
+    w = (1 + 0.1 * torch.randn(40, generator=g)).to(DEV, dtype)
+    for d in (None, delta):
+        r_ref, h_ref = ref.add_rmsnorm(res, d, w, 1e-6)
+        r_tri, h_tri = tri.add_rmsnorm(res, d, w, 1e-6)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        exact = 0 if dtype == torch.float32 else 8e-3  # bf16: one unit in the last place (interpreter rounding)
+        torch.testing.assert_close(r_tri, r_ref, atol=exact, rtol=exact)
+        torch.testing.assert_close(h_tri.float(), h_ref.float(), atol=tol, rtol=tol)
+
+
+def test_silu_mul_matches_the_reference():
+    gu = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(DEV, torch.bfloat16)
+    # two bf16 roundings (silu, then the product): within two units in the last place
+    torch.testing.assert_close(tri.silu_mul(gu).float(), ref.silu_mul(gu).float(), atol=1e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype,n_heads,n_kv,d", [(torch.float32, 6, 2, 16), (torch.float32, 14, 2, 64),
+                                                   (torch.bfloat16, 14, 2, 64), (torch.bfloat16, 12, 2, 128)])
+def test_decode_attention_matches_the_reference(dtype, n_heads, n_kv, d):
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("Triton's interpreter computes tl.dot on bfloat16 wrongly; bf16 is checked on a GPU")
+    g = torch.Generator().manual_seed(2)
+    B, S, slot_base, step = 3, 150, 69, 11  # slot 80: crosses a 64-slot block boundary
+    start = torch.tensor([0, 5, 69], device=DEV)  # the last row's prompt is one token long
+    qkv = torch.randn(B, (n_heads + 2 * n_kv) * d, generator=g).to(DEV, dtype)
+    k0 = torch.randn(B, n_kv, S, d, generator=g).to(DEV, dtype)
+    v0 = torch.randn(B, n_kv, S, d, generator=g).to(DEV, dtype)
+    pos = torch.tensor([80, 75, 11], device=DEV)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)).to(DEV)
+    step_1 = torch.tensor([step], device=DEV)
+    outs, caches = [], []
+    for impl in (ref, tri):
+        k, v = k0.clone(), v0.clone()
+        outs.append(impl.decode_attention(qkv, k, v, start, step_1, slot_base, pos, inv_freq, 1.0,
+                                          1 / math.sqrt(d), n_heads, n_kv).float())
+        caches.append((k, v))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(caches[1][0].float(), caches[0][0].float(), atol=tol, rtol=tol)
+    assert torch.equal(caches[1][1], caches[0][1])
+    # slots outside start..slot must not matter: poison them and get the same output
+    k, v = k0.clone(), v0.clone()
+    for b in range(B):
+        k[b, :, : int(start[b])] = 1e4
+        k[b, :, slot_base + step + 1:] = 1e4
+    poisoned = tri.decode_attention(qkv, k, v, start, step_1, slot_base, pos, inv_freq, 1.0, 1 / math.sqrt(d),
+                                    n_heads, n_kv).float()
+    torch.testing.assert_close(poisoned, outs[1], atol=tol, rtol=tol)
+
+
+def test_race_sample_kernel_draws_the_reference_tokens():
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(4, 3000, generator=g)).to(DEV)
+    logits[1, 100:] = float("-inf")  # a top-k style mask: only the first 100 entries may be drawn
+    seeds = torch.tensor([1, 2, 3, 1 << 45], device=DEV)
+    for step in range(3):
+        s = torch.tensor([step], device=DEV)
+        t_ref, lp_ref = ref.race_sample(logits, 0.7, seeds, s)
+        t_tri, lp_tri = tri.race_sample(logits, 0.7, seeds, s)
+        assert torch.equal(t_tri, t_ref)
+        torch.testing.assert_close(lp_tri, lp_ref, atol=1e-5, rtol=1e-5)
+        assert int(t_tri[1]) < 100
+
+
+def test_static_decoder_with_triton_kernels_matches_the_torch_ops_and_a_full_forward():
+    """The whole decode step on the kernels: same tokens as the torch ops, log-probs of a full forward."""
+    import asyncio
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from streamrft.config.engine import EngineConfig
+    from streamrft.engines.base import GenerationRequest
+    from streamrft.engines.hf import HFEngine
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg).eval().to(DEV)
+    reqs = [GenerationRequest("a", [5, 6, 7, 8, 9], seed=11), GenerationRequest("b", [3, 4], seed=12)]
+    runs = {}
+    for kernels in ("torch", "triton"):
+        ecfg = EngineConfig(max_new_tokens=70, static_cache=True, ignore_eos=True, decode_kernels=kernels,
+                            temperature=0.9)  # 70 new tokens: the cache crosses a 64-slot block
+        engine = HFEngine(model, ecfg, eos_token_ids=[0], pad_token_id=0, device=DEV)
+        runs[kernels] = asyncio.run(engine.generate_all(reqs))
+    for a, b in zip(runs["torch"], runs["triton"]):
+        assert a.response_ids == b.response_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    for req, s in zip(reqs, runs["triton"]):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([req.prompt_ids + s.response_ids], device=DEV)).logits[0]
+        logp = torch.log_softmax(logits.float() / 0.9, -1)
+        n = len(req.prompt_ids)
+        ref_lp = [logp[n - 1 + j, t].item() for j, t in enumerate(s.response_ids)]
+        assert s.logprobs == pytest.approx(ref_lp, abs=1e-4)
