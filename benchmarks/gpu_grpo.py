@@ -4,7 +4,9 @@ Workload (per size): 64 prompts × 8 samples, prompts of 256 tokens, responses f
 suppressed: ``engine.ignore_eos`` here, ``min_new_tokens`` in TRL), bf16 compute, random-init Qwen2.5
 shapes (0.5B, 1.5B) with a local character tokenizer (the vocab size sets the cost, not the text), a
 pseudo-random reward (benchmarks/gpu_reward.py). Each system runs in its own subprocess (clean memory
-peak, clean process group); steady-state numbers are medians over the steps after the first.
+peak, clean process group); steady-state numbers are medians over the steps after the first, and for
+StreamRFT before the last (which also writes the final checkpoint): run --steps 4 or more.
+StreamRFT keeps its optimizer state on the GPU between phases (train.offload_between_phases=false).
 
     python benchmarks/gpu_grpo.py --out DIR [--sizes 0.5b,1.5b] [--steps 3] [--systems streamrft,trl,eager]
     python benchmarks/gpu_grpo.py --tiny --out /tmp/x      # CPU dry run: tiny shapes, few tokens
@@ -94,6 +96,8 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dic
         f"rollout.prompts_per_step={wl['prompts']}", f"rollout.n_samples_per_prompt={wl['samples']}",
         f"train.max_steps={steps}", "train.lr=1e-6", f"train.micro_batch_tokens={wl['micro_batch'] * (wl['prompt_len'] + wl['new'])}",
         "algorithm.advantage_estimator=group_norm", "algorithm.policy_loss=ppo_clip", "algorithm.kl_coef=0.0",
+        # one GPU with room for both phases: keep the optimizer state on the device (TRL does not offload either)
+        "train.offload_between_phases=false",
         *os.environ.get("STREAMRFT_BENCH_EXTRA", "").split(),  # extra key=value overrides for an experiment
     ]
     cfg_path = out / f"cfg_{size}_{tag}.yaml"
@@ -153,7 +157,8 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dic
 
     engine_s = asyncio.run(main())
     rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
-    steady = rows[1:] or rows
+    # steady state: not the first step (warm-up) and not the last (it also writes the final checkpoint)
+    steady = rows[1:-1] if len(rows) >= 3 else (rows[1:] or rows)
     med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
     steady_t = lambda key: statistics.median(times[key][1:] or times[key])  # noqa: E731
     tokens = wl["prompts"] * wl["samples"] * wl["new"]

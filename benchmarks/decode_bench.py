@@ -1,0 +1,146 @@
+"""The embedded engine's rollout alone, per decode-kernel choice, against the roofline floor (one GPU).
+
+For each size: a random-init Qwen2.5-shaped model in bf16, B prompts of Lp tokens, N new tokens (EOS
+ignored). For each ``engine.decode_kernels`` (torch, triton) it times, in the same process:
+
+* ``prefill_s``: StaticDecoder setup (weight concatenation, cache) + prefill + the first token;
+* ``decode_s``: the N-1 decode steps as CUDA-graph replays, one sync at the end (``ms/step``);
+* ``generate_s``: a whole ``engine.generate_all`` call (host checks every ``sync_every`` steps included);
+
+and prints the floor (gpu_flops.rollout_floor_s at the copy bandwidth and matmul rate measured here), the
+fraction of it reached, and the ratio of each choice to the torch ops. ``--profile`` adds the kernel time
+table of a few eager decode steps (torch.profiler) for the Triton choice.
+
+    python benchmarks/decode_bench.py [--sizes 0.5b,1.5b] [--batch 512] [--prompt 256] [--new 512] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_flops import measure_ceilings, rollout_floor_s, shape_of  # noqa: E402
+from gpu_grpo import SHAPES  # noqa: E402
+
+from streamrft.config.engine import EngineConfig  # noqa: E402
+from streamrft.engines.base import GenerationRequest  # noqa: E402
+from streamrft.engines.hf import HFEngine  # noqa: E402
+from streamrft.engines.hf_fast import StaticDecoder, decode_kernels  # noqa: E402
+
+
+def build(size: str, vocab: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, **SHAPES[size])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model
+
+
+def sync_time(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def measure(model, kernels: str, prompts: list[list[int]], n_new: int, profile: bool) -> dict:
+    dev = torch.device("cuda")
+    ops = decode_kernels(kernels, dev)
+    seeds = list(range(len(prompts)))
+
+    def decoder(n):
+        return StaticDecoder(model, prompts, seeds, n, 0, [], 1.0, 0.0, 0, 1.0, dev, ops)
+
+    with torch.no_grad():
+        warm = decoder(8)  # kernel compilation and cuBLAS heuristics stay out of the timings
+        warm.prefill()
+        warm.capture()
+        warm.run_steps(7)
+        del warm
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        box = {}
+        prefill_s = sync_time(lambda: box.setdefault("dec", decoder(n_new)).prefill())
+        dec = box["dec"]
+        capture_s = sync_time(dec.capture)
+        decode_s = sync_time(lambda: dec.run_steps(n_new - 1))
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        table = ""
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            dec.step_1.fill_(1)
+            dec.pos_B.copy_(dec.pos_BL[:, -1] + 1)
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    dec._decode_step()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+        del dec, box
+        torch.cuda.empty_cache()
+    cfg = EngineConfig(max_new_tokens=n_new, static_cache=True, cuda_graphs=True, ignore_eos=True,
+                       max_batch_size=len(prompts), decode_kernels=kernels)
+    engine = HFEngine(model, cfg, eos_token_ids=[1], pad_token_id=0, device=dev)
+    reqs = [GenerationRequest(f"r{i}", p, seed=i) for i, p in enumerate(prompts)]
+    generate_s = sync_time(lambda: asyncio.run(engine.generate_all(reqs)))
+    return dict(kernels=kernels, prefill_s=prefill_s, capture_s=capture_s, decode_s=decode_s,
+                ms_per_step=1000 * decode_s / (n_new - 1), generate_s=generate_s, peak_gib=peak, profile=table)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="0.5b,1.5b")
+    ap.add_argument("--kernels", default="torch,triton")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    ceil = measure_ceilings(torch.device("cuda"))
+    bw, rate = ceil["copy_bytes_per_s"], ceil["bf16_flops_per_s"]
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s; "
+          f"B={a.batch} prompt={a.prompt} new={a.new}", flush=True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(a.prompt)] for _ in range(a.batch)]
+    lines = []
+    for size in a.sizes.split(","):
+        model = build(size, a.vocab)
+        pf, dec_floor = rollout_floor_s(shape_of(model.config), a.batch, a.prompt, a.new, bw, rate)
+        lines.append(f"{size}: floor {pf + dec_floor:.3f} s (prefill {pf:.3f} + decode {dec_floor:.3f}), "
+                     f"decode floor {1000 * dec_floor / (a.new - 1):.2f} ms/step")
+        lines.append(f"{'size':5} {'kernels':7} {'prefill_s':>9} {'capture_s':>9} {'decode_s':>8} {'ms/step':>7} "
+                     f"{'generate_s':>10} {'peak_GiB':>8} {'decode%':>7} {'rollout%':>8} {'vs torch':>8}")
+        base = None
+        for kernels in a.kernels.split(","):
+            r = measure(model, kernels, prompts, a.new, a.profile and kernels == "triton")
+            base = base or r
+            lines.append(f"{size:5} {kernels:7} {r['prefill_s']:9.3f} {r['capture_s']:9.3f} {r['decode_s']:8.3f} "
+                         f"{r['ms_per_step']:7.2f} {r['generate_s']:10.3f} {r['peak_gib']:8.1f} "
+                         f"{100 * dec_floor / r['decode_s']:7.1f} {100 * (pf + dec_floor) / r['generate_s']:8.1f} "
+                         f"{base['generate_s'] / r['generate_s']:7.2f}x")
+            print(lines[-1], flush=True)
+            if r["profile"]:
+                print(r["profile"], flush=True)
+        del model
+        torch.cuda.empty_cache()
+    print("\n==== DECODE TABLE ====")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
