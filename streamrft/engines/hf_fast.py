@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from collections import deque
 import os
 import time
 import warnings
@@ -276,14 +277,36 @@ class StaticDecoder:
     def _state(self) -> list[torch.Tensor]:
         return [self.tokens_BN, self.logp_BN, self.first_stop_B, self.tok_B, self.pos_B, self.step_1]
 
-    def run_steps(self, n: int) -> torch.Tensor:
-        """Decode ``n`` more steps, then one host sync: returns first_stop_B on the CPU."""
+    def run_steps(self, n: int) -> None:
+        """Queue ``n`` more decode steps (no host sync)."""
         for _ in range(n):
             if self.graph is not None:
                 self.graph.replay()
             else:
                 self._decode_step()
-        return self.first_stop_B.cpu()
+
+
+class _BlockReadback:
+    """Host copies of the columns ``a .. b`` of tokens/log-probs and of the first-stop positions, queued
+    behind the steps that produced them: pinned, non-blocking copies and an event on CUDA, so the host
+    reads a block while the GPU already decodes the next one."""
+
+    def __init__(self, dec: StaticDecoder, a: int, b: int):
+        self.a, self.b = a, b
+        cuda = dec.tokens_BN.is_cuda
+
+        def snap(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", non_blocking=True) if cuda else t.clone()
+
+        self.tokens, self.logp, self.first_stop = snap(dec.tokens_BN[:, a:b]), snap(dec.logp_BN[:, a:b]), \
+            snap(dec.first_stop_B)
+        self.event = torch.cuda.Event() if cuda else None
+        if self.event is not None:
+            self.event.record()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 
 def kv_cache_bytes(module: torch.nn.Module, batch: int, length: int, dtype_bytes: int = 2) -> int:
@@ -296,7 +319,8 @@ def kv_cache_bytes(module: torch.nn.Module, batch: int, length: int, dtype_bytes
 async def generate_chunk_static(engine: HFEngine, requests: list[GenerationRequest],
                                 start: float) -> AsyncIterator[GeneratedSample]:
     """The static-cache counterpart of ``HFEngine._generate_chunk``: same samples contract, rows yielded
-    at the first host sync (every ``engine.sync_every`` steps) after they finish."""
+    at the first host check (every ``engine.sync_every`` steps) after they finish. Steps are queued in
+    blocks of ``sync_every`` and the host reads block k while the GPU decodes block k + 1."""
     cfg = engine.cfg
     limits = [cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in requests]
     n_new = max(limits)
@@ -316,37 +340,53 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
                     dec.graph = None
         return dec
 
-    def advance(dec: StaticDecoder, n: int) -> torch.Tensor:
+    blocks: deque[_BlockReadback] = deque()
+    launched = 1  # tokens queued so far (prefill samples token 0)
+
+    def launch_next() -> None:  # one more block of steps and its readback, behind what is queued
+        nonlocal launched
+        n = min(cfg.sync_every, n_new - launched)
         with torch.no_grad():
-            return dec.run_steps(n)
+            dec.run_steps(n)
+            blocks.append(_BlockReadback(dec, launched, launched + n))
+        launched += n
+
+    def start_decoding() -> None:
+        blocks.append(_BlockReadback(dec, 0, 1))
+        if launched < n_new:
+            launch_next()
 
     dec = await asyncio.to_thread(setup)
-    done = 1  # tokens sampled so far (prefill sampled token 0)
-    first_stop = dec.first_stop_B.cpu()
-    pending = set(range(len(requests)))
-    while pending:
-        finished = []
-        for i in sorted(pending):
-            stop_at = int(first_stop[i])
-            if stop_at < limits[i] and stop_at < done:
-                finished.append((i, stop_at + 1, "stop"))
-            elif done >= limits[i]:
-                finished.append((i, limits[i], "length"))
-        if finished:
-            idx = torch.tensor([i for i, _, _ in finished], device=dec.tokens_BN.device)
-            tokens = dec.tokens_BN.index_select(0, idx).cpu().tolist()
-            logps = dec.logp_BN.index_select(0, idx).cpu().tolist()
-            for (i, n, reason), toks, lps in zip(finished, tokens, logps):
+    await asyncio.to_thread(start_decoding)
+    B = len(requests)
+    tokens_BN = torch.zeros((B, n_new), dtype=torch.int64)
+    logp_BN = torch.zeros((B, n_new), dtype=torch.float32)
+    pending = set(range(B))
+    try:
+        while pending:
+            block = blocks.popleft()
+            await asyncio.to_thread(block.wait)
+            if launched < n_new:  # keep the GPU one block ahead of the host
+                await asyncio.to_thread(launch_next)
+            tokens_BN[:, block.a: block.b] = block.tokens
+            logp_BN[:, block.a: block.b] = block.logp
+            first_stop, done = block.first_stop.tolist(), block.b
+            for i in sorted(pending):
+                stop_at = first_stop[i]
+                if stop_at < limits[i] and stop_at < done:
+                    n, reason = stop_at + 1, "stop"
+                elif done >= limits[i]:
+                    n, reason = limits[i], "length"
+                else:
+                    continue
                 pending.discard(i)
-                yield GeneratedSample(request_id=requests[i].request_id, response_ids=toks[:n], logprobs=lps[:n],
-                                      finish_reason=reason, policy_version=engine.policy_version,
-                                      seconds=time.perf_counter() - start)
-        if not pending:
-            break
-        n = min(cfg.sync_every, n_new - done)
-        first_stop = await asyncio.to_thread(advance, dec, n)
-        done += n
-    del dec
+                yield GeneratedSample(request_id=requests[i].request_id, response_ids=tokens_BN[i, :n].tolist(),
+                                      logprobs=logp_BN[i, :n].tolist(), finish_reason=reason,
+                                      policy_version=engine.policy_version, seconds=time.perf_counter() - start)
+    finally:
+        for block in blocks:  # the queued steps still use the decoder's buffers and graph
+            block.wait()
+        del dec
 
 
 __all__ = ["StaticDecoder", "check_static_support", "decode_kernels", "generate_chunk_static", "kv_cache_bytes"]

@@ -54,9 +54,11 @@ def _mix32_i64(x):
 
 
 @triton.jit
-def _race_sample_kernel(z_ptr, stride_z, inv_temp, seeds_ptr, step_ptr, tok_ptr, logp_ptr, V,
-                        BLOCK: tl.constexpr):
+def _race_partial_kernel(z_ptr, stride_z, inv_temp, seeds_ptr, step_ptr, best_ptr, idx_ptr, zbest_ptr, m_ptr, s_ptr,
+                         V, span, BLOCK: tl.constexpr):
+    """Program (row, split): the race and the log-sum-exp over the vocabulary entries split·span .. +span."""
     row = tl.program_id(0)
+    split = tl.program_id(1)
     seed = tl.load(seeds_ptr + row).to(tl.int64)
     step = tl.load(step_ptr).to(tl.int64)
     s = _mix32_i64((step + STEP_ADD) & M32)
@@ -68,9 +70,11 @@ def _race_sample_kernel(z_ptr, stride_z, inv_temp, seeds_ptr, step_ptr, tok_ptr,
     lane_m = tl.full([BLOCK], neg_inf, tl.float32)
     lane_s = tl.zeros([BLOCK], dtype=tl.float32)
     offs0 = tl.arange(0, BLOCK)
-    for v0 in range(0, V, BLOCK):
+    lo = split * span
+    hi = tl.minimum(lo + span, V)
+    for v0 in range(lo, hi, BLOCK):
         offs = v0 + offs0
-        valid = offs < V
+        valid = offs < hi
         z = tl.load(z_ptr + row * stride_z + offs, mask=valid, other=neg_inf).to(tl.float32) * inv_temp
         a = _mix32_u32(key ^ (offs.to(tl.uint32) * VOCAB_MUL))
         b = _mix32_u32(a ^ WORD2_XOR)
@@ -88,21 +92,56 @@ def _race_sample_kernel(z_ptr, stride_z, inv_temp, seeds_ptr, step_ptr, tok_ptr,
         lane_m = m_new
     best = tl.max(lane_best, 0)
     idx = tl.min(tl.where(lane_best == best, lane_idx, V), 0)
-    z_best = tl.sum(tl.where((lane_idx == idx) & (lane_best == best), lane_z, 0.0), 0)
     m = tl.max(lane_m, 0)
-    total = tl.sum(tl.where(lane_m > neg_inf, lane_s * tl.exp(lane_m - m), 0.0), 0)
-    tl.store(tok_ptr + row, idx.to(tl.int64))
-    tl.store(logp_ptr + row, z_best - m - tl.log(total))
+    m_safe = tl.where(m > neg_inf, m, 0.0)
+    out = row * tl.num_programs(1) + split
+    tl.store(best_ptr + out, best)
+    tl.store(idx_ptr + out, idx)
+    tl.store(zbest_ptr + out, tl.sum(tl.where((lane_idx == idx) & (lane_best == best), lane_z, 0.0), 0))
+    tl.store(m_ptr + out, m)
+    tl.store(s_ptr + out, tl.sum(tl.where(lane_m > neg_inf, lane_s * tl.exp(lane_m - m_safe), 0.0), 0))
+
+
+@triton.jit
+def _race_reduce_kernel(best_ptr, idx_ptr, zbest_ptr, m_ptr, s_ptr, tok_ptr, logp_ptr, V,
+                        SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Program row: the winner over the splits (ties to the lowest index) and its log-prob."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, SPLITS_PAD)
+    valid = offs < SPLITS
+    at = row * SPLITS + offs
+    neg_inf = float("-inf")
+    best = tl.load(best_ptr + at, mask=valid, other=neg_inf)
+    idx = tl.load(idx_ptr + at, mask=valid, other=V)
+    m = tl.load(m_ptr + at, mask=valid, other=neg_inf)
+    s = tl.load(s_ptr + at, mask=valid, other=0.0)
+    top = tl.max(best, 0)
+    win = tl.min(tl.where(best == top, idx, V), 0)
+    z_win = tl.sum(tl.where((idx == win) & (best == top), tl.load(zbest_ptr + at, mask=valid, other=0.0), 0.0), 0)
+    gm = tl.max(m, 0)
+    total = tl.sum(tl.where(m > neg_inf, s * tl.exp(m - gm), 0.0), 0)
+    tl.store(tok_ptr + row, win.to(tl.int64))
+    tl.store(logp_ptr + row, z_win - gm - tl.log(total))
 
 
 def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.Tensor,
-                step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                step: torch.Tensor, block: int = 1024, target_programs: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vocabulary is split so that about ``target_programs`` programs share the rows (a GPU needs
+    several per multiprocessor to hide memory latency), then one small kernel merges the splits."""
     B, V = logits_BV.shape
     logits_BV = logits_BV if logits_BV.stride(-1) == 1 else logits_BV.contiguous()
-    tokens = torch.empty(B, dtype=torch.int64, device=logits_BV.device)
-    logp = torch.empty(B, dtype=torch.float32, device=logits_BV.device)
-    _race_sample_kernel[(B,)](logits_BV, logits_BV.stride(0), float(inv_temperature), seeds_B, step, tokens, logp,
-                              V, BLOCK=1024, num_warps=4)
+    splits = max(1, min(triton.cdiv(target_programs, B), triton.cdiv(V, block)))
+    span = triton.cdiv(triton.cdiv(V, splits), block) * block
+    splits = triton.cdiv(V, span)
+    dev = logits_BV.device
+    best, z_best, m, s = (torch.empty((B, splits), dtype=torch.float32, device=dev) for _ in range(4))
+    idx = torch.empty((B, splits), dtype=torch.int32, device=dev)
+    _race_partial_kernel[(B, splits)](logits_BV, logits_BV.stride(0), float(inv_temperature), seeds_B, step,
+                                      best, idx, z_best, m, s, V, span, BLOCK=block, num_warps=4)
+    tokens = torch.empty(B, dtype=torch.int64, device=dev)
+    logp = torch.empty(B, dtype=torch.float32, device=dev)
+    _race_reduce_kernel[(B,)](best, idx, z_best, m, s, tokens, logp, V, SPLITS=splits,
+                              SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=1)
     return tokens, logp
 
 

@@ -109,3 +109,22 @@ def test_cuda_graphs_without_static_cache_is_a_config_error():
     with pytest.raises(ValueError, match="engine.cuda_graphs=true needs engine.static_cache=true"):
         HFEngine(_model(), EngineConfig(cuda_graphs=True), eos_token_ids=[0], pad_token_id=0,
                  device=torch.device("cpu"))
+
+
+def test_static_path_rows_stop_in_different_blocks_with_the_tokens_of_an_unstopped_run():
+    """Greedy decoding: a row that meets the stop token ends there (kept), with exactly the tokens and
+    log-probs that a run without stops produced up to that point, whichever readback block it falls in."""
+    model = _model()
+    free = EngineConfig(max_new_tokens=9, static_cache=True, sync_every=2, ignore_eos=True, top_k=1)
+    full = asyncio.run(HFEngine(model, free, eos_token_ids=[0], pad_token_id=0,
+                                device=torch.device("cpu")).generate_all(_requests()))
+    stop = full[0].response_ids[4]  # row a meets it at index <= 4: in the third block of two steps
+    cfg = EngineConfig(max_new_tokens=9, static_cache=True, sync_every=2, stop_token_ids=[stop], top_k=1)
+    out = asyncio.run(HFEngine(model, cfg, eos_token_ids=[], pad_token_id=0,
+                               device=torch.device("cpu")).generate_all(_requests()))
+    for got, ref, req in zip(out, full, _requests()):
+        limit = req.max_new_tokens or 9
+        n = ref.response_ids.index(stop) + 1 if stop in ref.response_ids[:limit] else limit
+        assert got.response_ids == ref.response_ids[:n]
+        assert got.logprobs == pytest.approx(ref.logprobs[:n], abs=1e-6)
+        assert got.finish_reason == ("stop" if stop in ref.response_ids[:limit] else "length")
