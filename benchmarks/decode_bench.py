@@ -101,6 +101,46 @@ def measure(model, kernels: str, prompts: list[list[int]], n_new: int, profile: 
                 ms_per_step=1000 * decode_s / (n_new - 1), generate_s=generate_s, peak_gib=peak, profile=table)
 
 
+def tune(sizes: list[str], batch: int, ctx: int, vocab: int) -> None:
+    """Kernel launch settings, each alone (triton.testing.do_bench, ms): attention at context ``ctx``,
+    race sampling over (batch, vocab) bf16 logits. The first row of each table is the default."""
+    import math
+
+    from triton.testing import do_bench
+
+    from streamrft.engines import triton_decode as tri
+
+    dev = torch.device("cuda")
+    for size in sizes:
+        sh = SHAPES[size]
+        n_h, n_kv = sh["num_attention_heads"], sh["num_key_value_heads"]
+        d = sh["hidden_size"] // n_h
+        S = ctx + 64
+        k = torch.randn(batch, n_kv, S, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        qkv = torch.randn(batch, (n_h + 2 * n_kv) * d, device=dev, dtype=torch.bfloat16)
+        start = torch.zeros(batch, dtype=torch.int64, device=dev)
+        step = torch.tensor([1], device=dev)
+        pos = torch.full((batch,), ctx, device=dev)
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
+        kv_bytes = 2 * batch * n_kv * ctx * d * 2
+        for bn, warps, stages in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 2), (64, 2, 2),
+                                  (128, 4, 3), (256, 8, 2)]:
+            ms = do_bench(lambda: tri.decode_attention(qkv, k, v, start, step, ctx - 2, pos, inv_freq, 1.0,
+                                                       1 / math.sqrt(d), n_h, n_kv, bn, warps, stages))
+            print(f"tune attention {size} ctx={ctx} block_n={bn} warps={warps} stages={stages}: {1000 * ms:.1f} us "
+                  f"= {kv_bytes / ms / 1e9:.2f} TB/s of KV read", flush=True)
+        del k, v
+    logits = torch.randn(batch, vocab, device=dev, dtype=torch.bfloat16)
+    seeds = torch.arange(batch, device=dev)
+    step = torch.tensor([3], device=dev)
+    for target, block, warps in [(4096, 1024, 4), (512, 1024, 4), (2048, 1024, 4), (8192, 1024, 4),
+                                 (4096, 2048, 8), (8192, 512, 4), (16384, 512, 2)]:
+        ms = do_bench(lambda: tri.race_sample(logits, 1.0, seeds, step, block, target, warps))
+        print(f"tune race_sample target_programs={target} block={block} warps={warps}: {1000 * ms:.1f} us "
+              f"= {logits.numel() * 2 / ms / 1e9:.2f} TB/s of logits read", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="0.5b,1.5b")
@@ -110,7 +150,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="time kernel launch settings first")
     a = ap.parse_args()
+    if a.tune:
+        tune(a.sizes.split(","), a.batch, a.prompt + a.new // 2, a.vocab)
     ceil = measure_ceilings(torch.device("cuda"))
     bw, rate = ceil["copy_bytes_per_s"], ceil["bf16_flops_per_s"]
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s; "

@@ -125,7 +125,8 @@ def _race_reduce_kernel(best_ptr, idx_ptr, zbest_ptr, m_ptr, s_ptr, tok_ptr, log
 
 
 def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.Tensor,
-                step: torch.Tensor, block: int = 1024, target_programs: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                step: torch.Tensor, block: int = 1024, target_programs: int = 4096,
+                num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The vocabulary is split so that about ``target_programs`` programs share the rows (a GPU needs
     several per multiprocessor to hide memory latency), then one small kernel merges the splits."""
     B, V = logits_BV.shape
@@ -137,7 +138,7 @@ def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.
     best, z_best, m, s = (torch.empty((B, splits), dtype=torch.float32, device=dev) for _ in range(4))
     idx = torch.empty((B, splits), dtype=torch.int32, device=dev)
     _race_partial_kernel[(B, splits)](logits_BV, logits_BV.stride(0), float(inv_temperature), seeds_B, step,
-                                      best, idx, z_best, m, s, V, span, BLOCK=block, num_warps=4)
+                                      best, idx, z_best, m, s, V, span, BLOCK=block, num_warps=num_warps)
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     logp = torch.empty(B, dtype=torch.float32, device=dev)
     _race_reduce_kernel[(B,)](best, idx, z_best, m, s, tokens, logp, V, SPLITS=splits,
@@ -255,7 +256,8 @@ def _decode_attention_kernel(qkv_ptr, kc_ptr, vc_ptr, out_ptr, start_ptr, step_p
 
 def decode_attention(qkv_BX: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_B: torch.Tensor,
                      step: torch.Tensor, slot_base: int, pos_B: torch.Tensor, inv_freq: torch.Tensor,
-                     rope_scale: float, sm_scale: float, n_heads: int, n_kv: int) -> torch.Tensor:
+                     rope_scale: float, sm_scale: float, n_heads: int, n_kv: int, block_n: int = 64,
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     B, d = qkv_BX.shape[0], k_cache.shape[-1]
     if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("decode_attention: k/v caches must be contiguous in the head dimension, same strides")
@@ -266,7 +268,7 @@ def decode_attention(qkv_BX: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         qkv_BX, k_cache, v_cache, out, start_B, step, pos_B, inv_freq, int(slot_base), float(rope_scale),
         float(sm_scale), qkv_BX.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_HEADS=n_heads, N_KV=n_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d,
-        BLOCK_N=64, PRECISION=precision, num_warps=4)
+        BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
