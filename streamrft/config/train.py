@@ -24,5 +24,6 @@ class TrainConfig(Section):
     ppo_epochs: int = 1  # passes over the step's samples
     eval_every: int = 0  # evaluate every N steps; 0 = before and after only
     log_every: int = 1
+    compile_head: bool = True  # torch.compile the chunked LM-head log-prob/entropy (CUDA only; CPU runs eagerly)
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise resume checks
     offload_between_phases: bool = True  # colocated: move optimizer state (and params) to host memory during rollout; false keeps them on the device (faster switch when memory allows)

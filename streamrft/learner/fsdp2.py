@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOGPROB_METHOD = "streamrft_token_logprobs"  # the FSDP forward method added to the model instance
+COMPILE_HEAD_FLAG = "streamrft_compile_head"  # instance attribute: train.compile_head for that method
 
 
 _MULTIMODAL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_audio": "Qwen2AudioForConditionalGeneration"}
@@ -63,7 +64,8 @@ def load_pretrained(path: str, model_cfg: ModelConfig, dtype: torch.dtype) -> to
 
 def _logprob_method(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
                     chunk_size: int = 1024):
-    return token_logprobs(self, mb, temperature, with_entropy, chunk_size)
+    return token_logprobs(self, mb, temperature, with_entropy, chunk_size,
+                          compile_head=self.__dict__.get(COMPILE_HEAD_FLAG, False))
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -75,7 +77,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dtype | None) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dtype | None,
+                compile_head: bool = False) -> torch.nn.Module:
     """fully_shard each decoder layer, then the root; register the log-prob forward method. In place."""
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
     kwargs = {"mesh": mesh, "reshard_after_forward": True}
@@ -85,6 +88,7 @@ def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dty
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     model.__dict__[LOGPROB_METHOD] = types.MethodType(_logprob_method, model)
+    model.__dict__[COMPILE_HEAD_FLAG] = compile_head
     register_fsdp_forward_method(model, LOGPROB_METHOD)
     return model
 
@@ -140,7 +144,7 @@ class FSDP2Strategy:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         model.train()  # HF gradient checkpointing is active only in train mode
-        self.module = shard_model(model, dist, self.compute_dtype).to(self.device)
+        self.module = shard_model(model, dist, self.compute_dtype, train_cfg.compile_head).to(self.device)
         for m in fsdp_modules(self.module):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

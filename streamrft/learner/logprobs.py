@@ -36,15 +36,33 @@ def _chunk_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: tor
     return logp_N, entropy_N
 
 
+_compiled_chunk = None
+
+
+def _chunk_function(device: torch.device, compile_head: bool):
+    """The chunk computation, under ``torch.compile`` on CUDA when asked (``train.compile_head``).
+
+    Eagerly, one chunk makes about eight float32 passes over its (chunk, V) logits forward and more in
+    backward (cast, scale, log-softmax, gather, exp, product, sum); compiled, the softmax statistics,
+    gather and entropy fuse into one pass over the head's output, and the backward into one more."""
+    global _compiled_chunk
+    if not compile_head or device.type != "cuda":
+        return _chunk_logp_entropy
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_chunk_logp_entropy, dynamic=True)
+    return _compiled_chunk
+
+
 def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_ids_BL: torch.Tensor,
                          response_mask_BL: torch.Tensor, temperature: float, with_entropy: bool,
                          chunk_size: int = 1024, position_ids_BL: torch.Tensor | None = None,
-                         banned_ids: list[int] | None = None,
+                         banned_ids: list[int] | None = None, compile_head: bool = False,
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The formula above, given the final hidden states (after the last norm) and the LM head.
     With ``position_ids_BL``, positions where it is 0 (a sequence start) are excluded too. ``banned_ids``
     (media placeholders, which the hf engine never samples) get probability 0: the softmax runs over the
-    remaining vocabulary, as the engine's sampling distribution does."""
+    remaining vocabulary, as the engine's sampling distribution does. ``compile_head``: see
+    ``_chunk_function`` (CUDA only; the CPU always runs eagerly)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0; set rollout.temperature > 0")
     if chunk_size <= 0:
@@ -59,6 +77,7 @@ def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_
     target_N = input_ids_BL[b_N, t_N]
     weight, bias = head.weight, getattr(head, "bias", None)
     use_ckpt = torch.is_grad_enabled() and (h_NH.requires_grad or weight.requires_grad)
+    chunk_fn = _chunk_function(h_NH.device, compile_head)
     logps, ents = [], []
     for start in range(0, h_NH.shape[0], chunk_size):
         args = (h_NH[start:start + chunk_size], weight, bias, target_N[start:start + chunk_size],
@@ -66,9 +85,9 @@ def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_
         if banned_ids:
             args += (torch.tensor(banned_ids, dtype=torch.long, device=h_NH.device),)
         if use_ckpt:
-            logp_n, ent_n = checkpoint(_chunk_logp_entropy, *args, use_reentrant=False)
+            logp_n, ent_n = checkpoint(chunk_fn, *args, use_reentrant=False)
         else:
-            logp_n, ent_n = _chunk_logp_entropy(*args)
+            logp_n, ent_n = chunk_fn(*args)
         logps.append(logp_n)
         ents.append(ent_n)
     zeros_BL = hidden_BLH.new_zeros(B, L, dtype=torch.float32)
@@ -82,7 +101,8 @@ def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_
 
 
 def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperature: float,
-                   with_entropy: bool, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool, chunk_size: int = 1024,
+                   compile_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp_BL, entropy_BL | None) for a Hugging Face causal LM on microbatch ``mb``.
 
     Runs the decoder (``model.get_decoder()``) for hidden states, then the LM head in chunks of response
@@ -94,13 +114,14 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
         hidden_BLH = multimodal_hidden(model, mb)
         return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
                                     mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"],
-                                    media_placeholder_ids(model))
+                                    media_placeholder_ids(model), compile_head)
     hidden_BLH = model.get_decoder()(
         input_ids=mb["input_ids"], attention_mask=attention_mask_for(model, mb["attention_mask"]),
         position_ids=mb["position_ids"], use_cache=False,
     ).last_hidden_state
     return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
-                                mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"])
+                                mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"],
+                                compile_head=compile_head)
 
 
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features")
