@@ -188,44 +188,42 @@ class StaticDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     # ---- forward ---------------------------------------------------------------------------------
-    def _layers(self, x_BTH: torch.Tensor, pos_BT: torch.Tensor, attend) -> torch.Tensor:
-        # rotary embedding as the model's rotary_emb computes it, from a device copy of inv_freq (the
-        # module's buffer may sit on the CPU after an FSDP offload; a host copy cannot be graph-captured)
-        freqs_BTf = pos_BT[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs_BTf, freqs_BTf), dim=-1)
-        cos, sin = (emb.cos() * self.rope_scale).to(x_BTH.dtype), (emb.sin() * self.rope_scale).to(x_BTH.dtype)
-        B, T, _ = x_BTH.shape
-        for i, layer in enumerate(self.p.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x_BTH)
-            q = attn.q_proj(h).view(B, T, self.p.n_heads, self.p.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(B, T, self.p.n_kv, self.p.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(B, T, self.p.n_kv, self.p.head_dim).transpose(1, 2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            o_BTD = attend(i, q, k, v, attn.scaling)
-            x_BTH = x_BTH + attn.o_proj(o_BTD)
-            x_BTH = x_BTH + layer.mlp(layer.post_attention_layernorm(x_BTH))
-        return self.p.norm(x_BTH)
-
     def prefill(self) -> None:
-        """Run the prompts, fill the cache's first Lp slots, sample token 0."""
-        B, Lp = self.B, self.Lp
-        causal_LL = torch.ones((Lp, Lp), dtype=torch.bool, device=self.ids_BL.device).tril()
-        eye_LL = torch.eye(Lp, dtype=torch.bool, device=self.ids_BL.device)
-        mask_B1LL = (causal_LL & self.real_BL[:, None, :]) | eye_LL  # a pad query sees itself (no NaN)
-        mask_B1LL = mask_B1LL.unsqueeze(1)
-        group = self.p.n_heads // self.p.n_kv
+        """Run the prompts on the decode weights and ops, fill the cache's first Lp slots, sample token 0.
 
-        def attend(i, q, k, v, scale):
+        Attention is SDPA over the left-padded prompts (a pad query sees itself only, so no row is NaN);
+        rotary embedding is applied as the model's own (cos/sin rounded to the model dtype)."""
+        ops, p = self.ops, self.p
+        B, Lp, d = self.B, self.Lp, p.head_dim
+        dev = self.ids_BL.device
+        causal_LL = torch.ones((Lp, Lp), dtype=torch.bool, device=dev).tril()
+        eye_LL = torch.eye(Lp, dtype=torch.bool, device=dev)
+        mask_B1LL = ((causal_LL & self.real_BL[:, None, :]) | eye_LL).unsqueeze(1)
+        group = p.n_heads // p.n_kv
+        # rotary from a device copy of inv_freq (the module's buffer may sit on the CPU after an offload)
+        freqs_BLf = self.pos_BL[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs_BLf, freqs_BLf), dim=-1)
+        dtype = p.embed.weight.dtype
+        cos, sin = (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+        res_TH, delta_TH = F.embedding(self.ids_BL, p.embed.weight).reshape(B * Lp, -1), None
+        q_end, k_end = p.n_heads * d, (p.n_heads + p.n_kv) * d
+        for i, w in enumerate(self.w):
+            res_TH, h_TH = ops.add_rmsnorm(res_TH, delta_TH, w.ln1, w.ln1_eps)
+            qkv_BLX = F.linear(h_TH, w.qkv_w, w.qkv_b).view(B, Lp, -1)
+            q = qkv_BLX[..., :q_end].reshape(B, Lp, p.n_heads, d).transpose(1, 2)
+            k = qkv_BLX[..., q_end:k_end].reshape(B, Lp, p.n_kv, d).transpose(1, 2)
+            v = qkv_BLX[..., k_end:].reshape(B, Lp, p.n_kv, d).transpose(1, 2)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self.k[i][:, :, :Lp].copy_(k)
             self.v[i][:, :, :Lp].copy_(v)
             k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask_B1LL, scale=scale)
-            return o.transpose(1, 2).reshape(B, Lp, -1)
-
-        h_BLH = self._layers(self.p.embed(self.ids_BL), self.pos_BL, attend)
-        logits_BV = self.p.head(h_BLH[:, -1])
-        self._sample(logits_BV, self.first_temperature or self.temperature)
+            o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask_B1LL, scale=self.sm_scale)
+            o_TD = o.transpose(1, 2).reshape(B * Lp, -1)
+            res_TH, h_TH = ops.add_rmsnorm(res_TH, F.linear(o_TD, w.o_w, w.o_b), w.ln2, w.ln2_eps)
+            delta_TH = F.linear(ops.silu_mul(F.linear(h_TH, w.gate_up_w, w.gate_up_b)), w.down_w, w.down_b)
+        last = torch.arange(B, device=dev) * Lp + (Lp - 1)  # each row's last prompt token
+        _, h_BH = ops.add_rmsnorm(res_TH[last], delta_TH[last], p.norm.weight, float(p.norm.variance_epsilon))
+        self._sample(F.linear(h_BH, p.head.weight, p.head.bias), self.first_temperature or self.temperature)
 
     def _decode_step(self) -> None:
         """One token for every row: fixed shapes, no host sync (graph-capturable)."""

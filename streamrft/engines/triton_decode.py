@@ -184,6 +184,8 @@ def _add_rmsnorm_kernel(res_ptr, delta_ptr, w_ptr, res_out_ptr, h_out_ptr, H, ep
 def add_rmsnorm(res_BH: torch.Tensor, delta_BH: torch.Tensor | None, weight_H: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     B, H = res_BH.shape
+    if not (res_BH.is_contiguous() and (delta_BH is None or delta_BH.is_contiguous())):
+        raise ValueError("add_rmsnorm: rows must be contiguous")
     h = torch.empty_like(res_BH)
     res_out = res_BH if delta_BH is None else torch.empty_like(res_BH)
     _add_rmsnorm_kernel[(B,)](res_BH, res_BH if delta_BH is None else delta_BH, weight_H, res_out, h, H, float(eps),
@@ -206,6 +208,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
 
 def silu_mul(gate_up_BI2: torch.Tensor) -> torch.Tensor:
     B, I2 = gate_up_BI2.shape
+    if not gate_up_BI2.is_contiguous():
+        raise ValueError("silu_mul: rows must be contiguous")
     out = torch.empty((B, I2 // 2), dtype=gate_up_BI2.dtype, device=gate_up_BI2.device)
     block = 1024
     _silu_mul_kernel[(B, triton.cdiv(I2 // 2, block))](gate_up_BI2, out, I2 // 2, BLOCK=block, num_warps=4)
