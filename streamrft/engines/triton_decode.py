@@ -70,7 +70,7 @@ def _log2(x, FAST: tl.constexpr):
 def _race_partial_kernel(z_ptr, stride_z, inv_temp, seeds_ptr, step_ptr, best_ptr, idx_ptr, zbest_ptr, m_ptr, s_ptr,
                          V, span, BLOCK: tl.constexpr, FAST_MATH: tl.constexpr):
     """Program (row, split): the race and the log-sum-exp over the vocabulary entries split·span .. +span."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row · width can pass 2**31 (prefill: B·L rows of the MLP)
     split = tl.program_id(1)
     seed = tl.load(seeds_ptr + row).to(tl.int64)
     step = tl.load(step_ptr).to(tl.int64)
@@ -121,7 +121,7 @@ def _race_partial_kernel(z_ptr, stride_z, inv_temp, seeds_ptr, step_ptr, best_pt
 def _race_reduce_kernel(best_ptr, idx_ptr, zbest_ptr, m_ptr, s_ptr, tok_ptr, logp_ptr, V,
                         SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """Program row: the winner over the splits (ties to the lowest index) and its log-prob."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row · width can pass 2**31 (prefill: B·L rows of the MLP)
     offs = tl.arange(0, SPLITS_PAD)
     valid = offs < SPLITS
     at = row * SPLITS + offs
@@ -165,7 +165,7 @@ def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.
 @triton.jit
 def _add_rmsnorm_kernel(res_ptr, delta_ptr, w_ptr, res_out_ptr, h_out_ptr, H, eps,
                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row · width can pass 2**31 (prefill: B·L rows of the MLP)
     offs = tl.arange(0, BLOCK)
     valid = offs < H
     r = tl.load(res_ptr + row * H + offs, mask=valid, other=0.0)
@@ -196,7 +196,7 @@ def add_rmsnorm(res_BH: torch.Tensor, delta_BH: torch.Tensor | None, weight_H: t
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row · width can pass 2**31 (prefill: B·L rows of the MLP)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < I
     g = tl.load(gu_ptr + row * 2 * I + offs, mask=valid, other=0.0)
@@ -223,7 +223,7 @@ def _decode_attention_kernel(qkv_ptr, kc_ptr, vc_ptr, out_ptr, start_ptr, step_p
                              N_HEADS: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                              PRECISION: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half: tl.constexpr = D // 2
     slot = slot_base + tl.load(step_ptr).to(tl.int32)
