@@ -6,12 +6,11 @@ step then costs hundreds of small launches and a host sync. Here, for a chunk of
 
 * the KV cache is preallocated once, ``k, v: (B, n_kv, L_prompt + N_new, head_dim)`` per layer; prompts
   are left-padded, so row b's live slots are ``start_B[b] .. L_prompt - 1 + step``, one contiguous range;
-* prefill runs the decoder's own submodules (norms, projections, MLP, rotary embedding) with SDPA over
-  the padded prompts and fills the cache;
-* a decode step runs on the same weights, with q/k/v and gate/up projections concatenated into one GEMM
-  each, and the fused operations of ``decode_ops`` (torch) or ``triton_decode`` (Triton kernels,
-  ``engine.decode_kernels``): residual add + RMSNorm, rotary + cache write + grouped-query attention over
-  the live slots only, SiLU-gate, and sampling by an exponential race with a counter-based hash of
+* prefill and decode run on the model's weights with the q/k/v and gate/up projections concatenated
+  into one GEMM each, and the fused operations of ``decode_ops`` (torch) or ``triton_decode`` (Triton
+  kernels, ``engine.decode_kernels``): residual add + RMSNorm and the SiLU gate everywhere; in prefill,
+  SDPA over the padded prompts, which fills the cache; in decode, rotary + cache write + grouped-query
+  attention over the live slots only, and sampling by an exponential race with a counter-based hash of
   (row seed, step, token), so a row's draw depends only on its own seed and step, never on its batch;
 * one decode step (forward, sampling, bookkeeping) has fixed shapes and no host syncs, so with
   ``engine.cuda_graphs`` it is captured once per chunk in a CUDA graph and replayed;
@@ -27,12 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from collections import deque
 import os
 import time
 import warnings
-from types import ModuleType
+from collections import deque
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, AsyncIterator
 
 import torch
@@ -122,23 +121,40 @@ class _LayerWeights:
     down_b: torch.Tensor | None
 
 
-def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    if all(lin.bias is None for lin in linears):
-        return None
-    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
-                      for lin in linears])
+def _linear_weights(lin: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) a linear layer applies; a peft LoRA layer (``model.lora_rank``, injected in place)
+    applies its base weight plus ``scaling · B A`` of each active adapter, merged here."""
+    base = getattr(lin, "base_layer", None)
+    if base is None:
+        return lin.weight, lin.bias
+    weight = base.weight
+    if not getattr(lin, "disable_adapters", False):
+        for name in getattr(lin, "active_adapters", ()):
+            if name in getattr(lin, "lora_A", {}):
+                weight = weight + lin.get_delta_weight(name).to(weight.dtype)
+    return weight, base.bias
+
+
+def _concat(*linears: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One (weight, bias) for several linear layers of the same input, stacked along the output."""
+    parts = [_linear_weights(lin) for lin in linears]
+    weight = torch.cat([w for w, _ in parts])
+    if all(b is None for _, b in parts):
+        return weight, None
+    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
 
 
 def _layer_weights(layer: torch.nn.Module) -> _LayerWeights:
     """Concatenated copies (one GEMM for q|k|v, one for gate|up); taken per chunk, after any weight push."""
     attn, mlp = layer.self_attn, layer.mlp
-    return _LayerWeights(
-        layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
-        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-        _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj.weight, attn.o_proj.bias,
-        layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon),
-        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(mlp.gate_proj, mlp.up_proj),
-        mlp.down_proj.weight, mlp.down_proj.bias)
+    qkv_w, qkv_b = _concat(attn.q_proj, attn.k_proj, attn.v_proj)
+    gate_up_w, gate_up_b = _concat(mlp.gate_proj, mlp.up_proj)
+    o_w, o_b = _linear_weights(attn.o_proj)
+    down_w, down_b = _linear_weights(mlp.down_proj)
+    return _LayerWeights(layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
+                         qkv_w, qkv_b, o_w, o_b,
+                         layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon),
+                         gate_up_w, gate_up_b, down_w, down_b)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

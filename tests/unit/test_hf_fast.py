@@ -128,3 +128,27 @@ def test_static_path_rows_stop_in_different_blocks_with_the_tokens_of_an_unstopp
         assert got.response_ids == ref.response_ids[:n]
         assert got.logprobs == pytest.approx(ref.logprobs[:n], abs=1e-6)
         assert got.finish_reason == ("stop" if stop in ref.response_ids[:limit] else "length")
+
+
+def test_static_path_applies_lora_adapters_injected_in_the_model():
+    """model.lora_rank: the colocated engine's module carries peft LoRA layers; the static path must decode
+    with W + scaling·B·A, as the module's own forward does."""
+    from streamrft.config.model import ModelConfig
+    from streamrft.learner.lora import apply_lora
+
+    model = _model()
+    apply_lora(model, ModelConfig(lora_rank=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj", "up_proj",
+                                                                               "o_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.5)  # B = 0 at init would hide a missing adapter
+    cfg = EngineConfig(max_new_tokens=5, static_cache=True, ignore_eos=True)
+    engine = HFEngine(model, cfg, eos_token_ids=[0], pad_token_id=0, device=torch.device("cpu"))
+    samples = asyncio.run(engine.generate_all(_requests()))
+    for req, s in zip(_requests(), samples):
+        with torch.no_grad():
+            logp_LV = torch.log_softmax(model(input_ids=torch.tensor([req.prompt_ids + s.response_ids])).logits[0], -1)
+        n = len(req.prompt_ids)
+        assert s.logprobs == pytest.approx([logp_LV[n - 1 + j, t].item() for j, t in enumerate(s.response_ids)],
+                                           abs=1e-4)
