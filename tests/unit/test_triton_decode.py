@@ -1,5 +1,7 @@
 """The Triton decode kernels against their torch references (decode_ops), on CUDA or, without a GPU,
-under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported)."""
+under Triton's interpreter: test_triton_interpreted.py runs this file in a subprocess with
+TRITON_INTERPRET=1 (Triton reads it when it is first imported, which transformers or torch may do long
+before this module, so it cannot be set from here)."""
 
 import math
 import os
@@ -10,7 +12,8 @@ import torch
 CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it)", allow_module_level=True)
+    pytest.skip("no GPU: test_triton_interpreted.py runs this file under TRITON_INTERPRET=1",
+                allow_module_level=True)
 
 from streamrft.engines import decode_ops as ref  # noqa: E402
 from streamrft.engines import triton_decode as tri  # noqa: E402
