@@ -4,6 +4,9 @@
         ▲                                              │ group_done (kept / filtered)
         └──────────────────────────────────────────────┘
 
+The TeacherFetcher hop exists only with a teacher (on-policy distillation); without one the scorer
+sends straight to the AdvantageStage (every hop costs each sample a send, a receive and a task).
+
 A stage task that dies stops the run with the stage and rank in the message.
 """
 
@@ -47,19 +50,21 @@ class Pipeline:
         handshakes from the loop they were created in."""
         cfg, ctx = self.cfg, self.ctx
         reward_in, to_reward = self._link("reward", Completion | Control)
-        teacher_in, to_teacher = self._link("teacher", ScoredSample | Control)
         advantage_in, to_advantage = self._link("advantage", ScoredSample | Control)
         feed_in, to_feed = self._link("learner_feed", ScoredSample | Control)
         feedback_in, to_generator = self._link("generator_feedback", Control)
         self.generator = Generator(ctx, feedback_in, to_reward, self.engine, self.tokenizer, self.dataset, cfg, self.world_size)
         self.feed = LearnerFeed(ctx, feed_in, cfg.rollout.max_staleness, self.policy_version_fn)
         self.advantage = AdvantageStage(ctx, advantage_in, to_feed, to_generator, cfg)
-        self.stages = [
-            RewardScorerStage(ctx, reward_in, to_teacher, self.scorer, cfg.reward.max_concurrency),
-            TeacherFetcherStage(ctx, teacher_in, to_advantage, self.teacher, cfg.reward.max_concurrency),
-            self.advantage,
-            self.feed,
-        ]
+        if self.teacher is None:
+            self.stages = [RewardScorerStage(ctx, reward_in, to_advantage, self.scorer, cfg.reward.max_concurrency)]
+        else:
+            teacher_in, to_teacher = self._link("teacher", ScoredSample | Control)
+            self.stages = [
+                RewardScorerStage(ctx, reward_in, to_teacher, self.scorer, cfg.reward.max_concurrency),
+                TeacherFetcherStage(ctx, teacher_in, to_advantage, self.teacher, cfg.reward.max_concurrency),
+            ]
+        self.stages += [self.advantage, self.feed]
         for stage in self.stages:
             task = asyncio.create_task(stage.run(), name=f"{stage.name}-rank{ctx.rank}")
             self.tasks[task] = stage.name

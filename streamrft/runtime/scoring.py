@@ -39,6 +39,13 @@ class _ConcurrentStage(Stage):
         """Like Stage.run, but an item task that fails stops the stage at once, not at the next message."""
         self.failure = asyncio.get_running_loop().create_future()
         while True:
+            if self.inbox.qsize() and not self.failure.done():
+                # a message is already here: take it without a task and a wait (bursts: a whole step's
+                # samples can arrive at once)
+                header, tensors = await self.recv()
+                if await self.handle(header, tensors):
+                    return
+                continue
             receive = asyncio.ensure_future(self.recv())
             try:
                 await asyncio.wait({receive, self.failure}, return_when=asyncio.FIRST_COMPLETED)
