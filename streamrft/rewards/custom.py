@@ -119,6 +119,8 @@ class RewardFunction:
     async def score(self, items: Sequence[RewardItem]) -> list[float | Exception]:
         if self.is_batched:
             return await self._score_batched(items)
+        if len(items) == 1:  # the reward stage scores one sample at a time: no gather, no task
+            return [await self._score_one(items[0])]
         return list(await asyncio.gather(*(self._score_one(item) for item in items)))
 
     async def _score_one(self, item: RewardItem) -> float | Exception:

@@ -43,9 +43,9 @@ class RewardScorer:
     async def score(self, items: Sequence[RewardItem]) -> list[RewardOutcome]:
         items = list(items)
         picks = [[i for i, it in enumerate(items) if src.applies_to(it.label)] for src in self.sources]
-        results = await asyncio.gather(
-            *(self._run_source(src, [items[i] for i in idx]) for src, idx in zip(self.sources, picks))
-        )
+        runs = [self._run_source(src, [items[i] for i in idx]) for src, idx in zip(self.sources, picks)]
+        # one source (the common case): await it directly, no task per call
+        results = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
         components: list[dict[str, float]] = [{} for _ in items]
         totals = [0.0] * len(items)
         errors: list[list[str]] = [[] for _ in items]
@@ -79,8 +79,9 @@ class RewardScorer:
         if not items:
             return []
         try:
-            values = await asyncio.wait_for(src.backend.score(items), src.deadline_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(src.deadline_s):  # unlike wait_for (3.11), no extra task
+                values = await src.backend.score(items)
+        except TimeoutError:
             # A sync function keeps running in its worker thread (threads cannot be killed); its
             # result is dropped. The items fail now instead of stalling the pipeline.
             return [TimeoutError(f"no result within {src.deadline_s:g}s (reward.timeout_s)")] * len(items)
