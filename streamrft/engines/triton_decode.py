@@ -146,7 +146,8 @@ def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.
                 num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The vocabulary is split so that about ``target_programs`` programs share the rows (several per
     multiprocessor), then one small kernel merges the splits. On an H200 the race is compute-bound
-    (hash + two log2 per entry): 320-400 µs at (512, 151936) whatever the split (decode_bench --tune)."""
+    (hash + two logs per entry): 320-400 µs at (512, 151936) whatever the split, measured with exact
+    logs before the switch to the hardware log2 (decode_bench --tune)."""
     B, V = logits_BV.shape
     logits_BV = logits_BV if logits_BV.stride(-1) == 1 else logits_BV.contiguous()
     splits = max(1, min(triton.cdiv(target_programs, B), triton.cdiv(V, block)))
