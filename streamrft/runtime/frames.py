@@ -70,7 +70,8 @@ def tensors_to_frames(tensors: Mapping[str, torch.Tensor] | None) -> tuple[list[
                 f"send tensors[{name!r}].cpu() (or keep it on the device and send a handle)"
             )
         specs.append(TensorSpec(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape)))
-        flat = tensor.detach().contiguous().reshape(-1)
+        flat = tensor if tensor.dim() == 1 and not tensor.requires_grad else tensor.detach().reshape(-1)
+        flat = flat.contiguous()  # a no-op for the usual contiguous tensor
         # Viewing as bytes works for every dtype, including bfloat16 which numpy does not know.
         buffers.append(flat.view(torch.uint8).numpy())
     return specs, buffers
@@ -105,9 +106,11 @@ def frames_to_tensors(specs: Sequence[TensorSpec], buffers: Sequence[memoryview]
             # torch.frombuffer refuses an empty buffer; an empty tensor owns no bytes anyway.
             tensors[spec.name] = torch.empty(spec.shape, dtype=dtype)
         else:
-            if np.frombuffer(buffer, dtype=np.uint8).ctypes.data % dtype.itemsize:
+            flat = torch.frombuffer(buffer, dtype=torch.uint8)
+            if flat.data_ptr() % dtype.itemsize:
                 # libzmq may hand over a frame that starts at any offset of its receive buffer;
                 # kernels assume dtype-aligned memory, so copy the (rare) misaligned frame.
-                buffer = bytearray(buffer)
-            tensors[spec.name] = torch.frombuffer(buffer, dtype=dtype).reshape(spec.shape)
+                flat = flat.clone()
+            tensor = flat.view(dtype)
+            tensors[spec.name] = tensor if len(spec.shape) == 1 else tensor.reshape(spec.shape)
     return tensors
