@@ -17,6 +17,8 @@ Packed microbatches (``packing.py``) carry a 4-D block-diagonal boolean attentio
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -37,6 +39,21 @@ def _chunk_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: tor
 
 
 _compiled_chunk = None
+_compile_failed = False
+
+
+def _compiled_or_eager(*args):
+    """The compiled chunk; if compiling fails (no working Triton or C compiler here), say so once and
+    run eagerly from then on: the same values, only slower."""
+    global _compile_failed
+    if not _compile_failed:
+        try:
+            return _compiled_chunk(*args)
+        except (torch._dynamo.exc.TorchDynamoException, ImportError) as exc:
+            _compile_failed = True
+            warnings.warn(f"train.compile_head: torch.compile failed ({type(exc).__name__}: {exc}); "
+                          "computing the LM-head log-probs eagerly (set train.compile_head=false to skip)")
+    return _chunk_logp_entropy(*args)
 
 
 def _chunk_function(device: torch.device, compile_head: bool):
@@ -50,7 +67,7 @@ def _chunk_function(device: torch.device, compile_head: bool):
         return _chunk_logp_entropy
     if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_chunk_logp_entropy, dynamic=True)
-    return _compiled_chunk
+    return _compiled_or_eager
 
 
 def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_ids_BL: torch.Tensor,
