@@ -106,7 +106,8 @@ class HFEngine:
             from streamrft.engines.hf_fast import check_static_support, decode_kernels
 
             check_static_support(module)
-            decode_kernels(cfg.decode_kernels, torch.device(device))  # fails early on an unusable choice
+            # the fused decode ops (hf_fast); chosen now, so an unusable choice fails here
+            self.decode_ops = decode_kernels(cfg.decode_kernels, torch.device(device))
             if cfg.cuda_graphs and torch.device(device).type != "cuda":
                 raise ValueError(f"engine.cuda_graphs=true needs a CUDA device, got {device}; "
                                  "set engine.cuda_graphs=false")

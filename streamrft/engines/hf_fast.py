@@ -62,6 +62,11 @@ def check_static_support(module: torch.nn.Module) -> None:
                          f"(sliding_window={config.sliding_window}); set engine.static_cache=false")
 
 
+def _is_triton_failure(exc: BaseException) -> bool:
+    """An error raised by Triton itself (compiling or launching a kernel), or its import failing."""
+    return type(exc).__module__.split(".")[0] == "triton" or isinstance(exc, ImportError)
+
+
 def decode_kernels(kind: str, device: torch.device) -> ModuleType:
     """The module of fused decode operations for ``engine.decode_kernels`` on ``device``.
 
@@ -339,20 +344,33 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
     limits = [cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in requests]
     n_new = max(limits)
 
+    def prepare(ops: ModuleType) -> StaticDecoder:
+        dec = StaticDecoder(engine.module, [r.prompt_ids for r in requests], [r.seed for r in requests],
+                            n_new, engine.pad_token_id, sorted(engine.stop_token_ids), cfg.temperature,
+                            cfg.first_token_temperature, cfg.top_k, cfg.top_p, engine.device, ops)
+        dec.prefill()
+        if cfg.cuda_graphs and n_new > 1:
+            try:
+                dec.capture()  # its warm-up step also compiles the decode kernels
+            except RuntimeError as exc:
+                if _is_triton_failure(exc):
+                    raise
+                warnings.warn(f"engine.cuda_graphs: capture failed ({exc}); decoding without CUDA graphs")
+                dec.graph = None
+        return dec
+
     def setup() -> StaticDecoder:
         with torch.no_grad():
-            dec = StaticDecoder(engine.module, [r.prompt_ids for r in requests], [r.seed for r in requests],
-                                n_new, engine.pad_token_id, sorted(engine.stop_token_ids), cfg.temperature,
-                                cfg.first_token_temperature, cfg.top_k, cfg.top_p, engine.device,
-                                decode_kernels(cfg.decode_kernels, engine.device))
-            dec.prefill()
-            if cfg.cuda_graphs and n_new > 1:
-                try:
-                    dec.capture()
-                except RuntimeError as exc:  # keep decoding without the graph, loudly
-                    warnings.warn(f"engine.cuda_graphs: capture failed ({exc}); decoding without CUDA graphs")
-                    dec.graph = None
-        return dec
+            try:
+                return prepare(engine.decode_ops)
+            except Exception as exc:
+                if engine.decode_ops is decode_ops or cfg.decode_kernels != "auto" or not _is_triton_failure(exc):
+                    raise
+                # auto chose Triton but it cannot compile or run here: say so once, decode with the torch ops
+                warnings.warn(f"engine.decode_kernels=auto: the Triton kernels failed ({type(exc).__name__}: {exc}); "
+                              "decoding with the torch ops from now on (set engine.decode_kernels=torch to skip)")
+                engine.decode_ops = decode_ops
+                return prepare(decode_ops)
 
     blocks: deque[_BlockReadback] = deque()
     launched = 1  # tokens queued so far (prefill samples token 0)

@@ -152,3 +152,28 @@ def test_static_path_applies_lora_adapters_injected_in_the_model():
         n = len(req.prompt_ids)
         assert s.logprobs == pytest.approx([logp_LV[n - 1 + j, t].item() for j, t in enumerate(s.response_ids)],
                                            abs=1e-4)
+
+
+def test_triton_failure_under_auto_falls_back_to_the_torch_ops_once_and_loudly():
+    """engine.decode_kernels=auto picked Triton, whose compiler fails here: warn, decode with the torch
+    ops (same tokens as choosing them), and keep them for later chunks."""
+    import types
+
+    from streamrft.engines import decode_ops
+
+    TritonError = type("CompilationError", (Exception,), {"__module__": "triton.compiler.errors"})
+
+    def broken(*args, **kwargs):
+        raise TritonError("ptxas not found")
+
+    model = _model()
+    reference = asyncio.run(HFEngine(model, EngineConfig(max_new_tokens=4, static_cache=True, decode_kernels="torch"),
+                                     eos_token_ids=[0], pad_token_id=0,
+                                     device=torch.device("cpu")).generate_all(_requests()))
+    engine = HFEngine(model, EngineConfig(max_new_tokens=4, static_cache=True), eos_token_ids=[0], pad_token_id=0,
+                      device=torch.device("cpu"))
+    engine.decode_ops = types.SimpleNamespace(add_rmsnorm=broken)  # stands for triton_decode
+    with pytest.warns(UserWarning, match="engine.decode_kernels=auto: the Triton kernels failed"):
+        got = asyncio.run(engine.generate_all(_requests()))
+    assert engine.decode_ops is decode_ops
+    assert [s.response_ids for s in got] == [s.response_ids for s in reference]
