@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 BASE_STAMP := $(VENV)/.installed-base
 DEV_STAMP := $(VENV)/.installed-dev
+TRITON_SITE := $(VENV)/triton-site
 # vLLM's CPU build lives in its own venv (it pins its own torch); see docs/engines.md.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -22,9 +23,15 @@ $(BASE_STAMP): pyproject.toml
 # Test extras: pytest, DeepSpeed (CPU, no op builds) and W&B (offline mode). DeepSpeed ships as an sdist
 # whose build imports torch: build it against the venv's CPU torch, not an isolated env that would
 # fetch an unpinned (CUDA) torch.
+#
+# Triton goes to its own folder, not the venv: tests/unit/test_triton_interpreted.py puts it on the path
+# of one subprocess that runs the decode kernels under Triton's interpreter (numpy < 2.4: that interpreter
+# turns one-element arrays into loop bounds, which numpy 2.4 refuses). In the venv, DeepSpeed would import
+# it too, and its 2-rank CPU runs then sometimes abort at exit.
 $(DEV_STAMP): $(BASE_STAMP)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation 'deepspeed>=0.16'
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[dev]'
+	rm -rf $(TRITON_SITE) && $(PY) -m pip install -q --target $(TRITON_SITE) triton==3.6.0 'numpy>=1.26,<2.4'
 	touch $(DEV_STAMP)
 
 setup: $(DEV_STAMP)
