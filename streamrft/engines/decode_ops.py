@@ -96,17 +96,19 @@ def silu_mul(gate_up_BI2: torch.Tensor) -> torch.Tensor:
 
 
 def rope_cos_sin(pos_B: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos/sin (B, d) of the rotary embedding at positions ``pos_B`` (rotate-half layout)."""
+    """float32 cos/sin (..., d) of the rotary embedding at positions ``pos_B`` (any shape; rotate-half layout)."""
     freqs = pos_B.float().unsqueeze(-1) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scale, emb.sin() * scale
 
 
-def _rope_f32(x_BHd: torch.Tensor, cos_Bd: torch.Tensor, sin_Bd: torch.Tensor) -> torch.Tensor:
-    x = x_BHd.float()
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in rotate-half form, in x's dtype: x (B, H, ..., d), cos/sin (B, ..., d) shared
+    by the H heads (decode: x (B, H, d); prefill: x (B, H, T, d))."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos_Bd.unsqueeze(1) + rotated * sin_Bd.unsqueeze(1)).to(x_BHd.dtype)
+    return x * cos + rotated * sin
 
 
 def decode_attention(qkv_BX: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_B: torch.Tensor,
@@ -123,7 +125,7 @@ def decode_attention(qkv_BX: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     k = qkv_BX[:, n_heads * d: (n_heads + n_kv) * d].view(B, n_kv, d)
     v = qkv_BX[:, (n_heads + n_kv) * d:].view(B, n_kv, d)
     cos, sin = rope_cos_sin(pos_B, inv_freq, rope_scale)
-    q, k = _rope_f32(q, cos, sin), _rope_f32(k, cos, sin)
+    q, k = rotate_half(q.float(), cos, sin).to(q.dtype), rotate_half(k.float(), cos, sin).to(k.dtype)
     slot_1 = step.reshape(1) + slot_base
     k_cache.index_copy_(2, slot_1, k.unsqueeze(2))
     v_cache.index_copy_(2, slot_1, v.unsqueeze(2))
@@ -135,4 +137,4 @@ def decode_attention(qkv_BX: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 __all__ = ["add_rmsnorm", "decode_attention", "mix32", "race_exponential", "race_sample", "race_uniform",
-           "rope_cos_sin", "row_keys", "silu_mul"]
+           "rope_cos_sin", "rotate_half", "row_keys", "silu_mul"]

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from streamrft.engines import decode_ops
+from streamrft.engines.decode_ops import rope_cos_sin, rotate_half
 from streamrft.engines.base import GeneratedSample, GenerationRequest
 from streamrft.engines.sampling import process_logits
 
@@ -162,14 +163,6 @@ def _layer_weights(layer: torch.nn.Module) -> _LayerWeights:
                          gate_up_w, gate_up_b, down_w, down_b)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half form), x (B, H, T, d), cos/sin (B, T, d)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class StaticDecoder:
     """Decode state of one chunk: static KV cache, masks, output buffers (see the module docstring)."""
 
@@ -222,10 +215,7 @@ class StaticDecoder:
         mask_B1LL = ((causal_LL & self.real_BL[:, None, :]) | eye_LL).unsqueeze(1)
         group = p.n_heads // p.n_kv
         # rotary from a device copy of inv_freq (the module's buffer may sit on the CPU after an offload)
-        freqs_BLf = self.pos_BL[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs_BLf, freqs_BLf), dim=-1)
-        dtype = p.embed.weight.dtype
-        cos, sin = (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+        cos, sin = (t.to(p.embed.weight.dtype) for t in rope_cos_sin(self.pos_BL, self.inv_freq, self.rope_scale))
         res_TH, delta_TH = F.embedding(self.ids_BL, p.embed.weight).reshape(B * Lp, -1), None
         q_end, k_end = p.n_heads * d, (p.n_heads + p.n_kv) * d
         for i, w in enumerate(self.w):
@@ -234,17 +224,14 @@ class StaticDecoder:
             q = qkv_BLX[..., :q_end].reshape(B, Lp, p.n_heads, d).transpose(1, 2)
             k = qkv_BLX[..., q_end:k_end].reshape(B, Lp, p.n_kv, d).transpose(1, 2)
             v = qkv_BLX[..., k_end:].reshape(B, Lp, p.n_kv, d).transpose(1, 2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
             self.k[i][:, :, :Lp].copy_(k)
             self.v[i][:, :, :Lp].copy_(v)
             k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask_B1LL, scale=self.sm_scale)
-            o_TD = o.transpose(1, 2).reshape(B * Lp, -1)
-            res_TH, h_TH = ops.add_rmsnorm(res_TH, F.linear(o_TD, w.o_w, w.o_b), w.ln2, w.ln2_eps)
-            delta_TH = F.linear(ops.silu_mul(F.linear(h_TH, w.gate_up_w, w.gate_up_b)), w.down_w, w.down_b)
+            res_TH, delta_TH = self._after_attention(res_TH, o.transpose(1, 2).reshape(B * Lp, -1), w)
         last = torch.arange(B, device=dev) * Lp + (Lp - 1)  # each row's last prompt token
-        _, h_BH = ops.add_rmsnorm(res_TH[last], delta_TH[last], p.norm.weight, float(p.norm.variance_epsilon))
-        self._sample(F.linear(h_BH, p.head.weight, p.head.bias), self.first_temperature or self.temperature)
+        self._sample(self._logits(res_TH[last], delta_TH[last]), self.first_temperature or self.temperature)
 
     def _decode_step(self) -> None:
         """One token for every row: fixed shapes, no host sync (graph-capturable)."""
@@ -255,10 +242,19 @@ class StaticDecoder:
             qkv_BX = F.linear(h_BH, w.qkv_w, w.qkv_b)
             o_BD = ops.decode_attention(qkv_BX, self.k[i], self.v[i], self.start_B, self.step_1, self.Lp - 1,
                                         self.pos_B, self.inv_freq, self.rope_scale, self.sm_scale, p.n_heads, p.n_kv)
-            res_BH, h_BH = ops.add_rmsnorm(res_BH, F.linear(o_BD, w.o_w, w.o_b), w.ln2, w.ln2_eps)
-            delta_BH = F.linear(ops.silu_mul(F.linear(h_BH, w.gate_up_w, w.gate_up_b)), w.down_w, w.down_b)
-        _, h_BH = ops.add_rmsnorm(res_BH, delta_BH, p.norm.weight, float(p.norm.variance_epsilon))
-        self._sample(F.linear(h_BH, p.head.weight, p.head.bias), self.temperature)
+            res_BH, delta_BH = self._after_attention(res_BH, o_BD, w)
+        self._sample(self._logits(res_BH, delta_BH), self.temperature)
+
+    def _after_attention(self, res: torch.Tensor, attn_out: torch.Tensor,
+                         w: _LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer after its attention: o_proj, residual + RMSNorm, gated MLP. Returns (residual, MLP out)."""
+        res, h = self.ops.add_rmsnorm(res, F.linear(attn_out, w.o_w, w.o_b), w.ln2, w.ln2_eps)
+        return res, F.linear(self.ops.silu_mul(F.linear(h, w.gate_up_w, w.gate_up_b)), w.down_w, w.down_b)
+
+    def _logits(self, res: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual add, the final norm and the LM head."""
+        _, h = self.ops.add_rmsnorm(res, delta, self.p.norm.weight, float(self.p.norm.variance_epsilon))
+        return F.linear(h, self.p.head.weight, self.p.head.bias)
 
     def _sample(self, raw_logits_BV: torch.Tensor, temperature: float) -> None:
         """Draw token ``step_1`` of every row; temperature alone is folded into the sampling kernel."""

@@ -43,25 +43,27 @@ class _ConcurrentStage(Stage):
                 # a message is already here: take it without a task and a wait (bursts: a whole step's
                 # samples can arrive at once)
                 header, tensors = await self.recv()
-                if await self.handle(header, tensors):
-                    return
-                continue
-            receive = asyncio.ensure_future(self.recv())
-            try:
-                await asyncio.wait({receive, self.failure}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not receive.done():
-                    receive.cancel()
-                    # At shutdown its late ChannelClosed is expected: mark it retrieved.
-                    receive.add_done_callback(lambda t: t.cancelled() or t.exception())
-            if self.failure.done():
-                receive.cancel()
-                for task in self.tasks:
-                    task.cancel()
-                raise self.failure.exception()
-            header, tensors = receive.result()
+            else:
+                header, tensors = await self._recv_or_fail()
             if await self.handle(header, tensors):
                 return
+
+    async def _recv_or_fail(self):
+        """The next message, or the first item task's exception, whichever comes first."""
+        receive = asyncio.ensure_future(self.recv())
+        try:
+            await asyncio.wait({receive, self.failure}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not receive.done():
+                receive.cancel()
+                # At shutdown its late ChannelClosed is expected: mark it retrieved.
+                receive.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if self.failure.done():
+            receive.cancel()
+            for task in self.tasks:
+                task.cancel()
+            raise self.failure.exception()
+        return receive.result()
 
     async def handle(self, header, tensors) -> bool:
         self._reap()
