@@ -77,12 +77,12 @@ class _ConstLabels(Collector):
         self._inner = inner
         self._labels = dict(labels)
         self._lock = lock
-        self.hooks: list[Callable[[], None]] = []  # run at every scrape, before collecting
+        self.hooks: list[Callable[[], None]] = []  # run at every scrape, under the lock, before collecting
 
     def collect(self) -> Iterable[Metric]:
-        for hook in self.hooks:
-            hook()
-        with self._lock:
+        with self._lock:  # hooks too: a gauge a hook derives agrees with the counters collected with it
+            for hook in self.hooks:
+                hook()
             families = list(self._inner.collect())
         for family in families:
             out = Metric(family.name, family.documentation, family.type, family.unit)
@@ -245,7 +245,8 @@ class PipelineMetrics:
     def on_scrape(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` at every scrape, before collecting (e.g. to sample queue depths, so a
         gauge is current when Prometheus reads it rather than as of the last step). The hook runs
-        on the exporter's thread: it must only read plain attributes (ints, ``len``) and set gauges."""
+        on the exporter's thread, holding the ``atomic()`` lock: it must only read plain attributes
+        (ints, ``len``) and set gauges, and must not take ``atomic()`` itself."""
         self._exposed.hooks.append(hook)
 
     def atomic(self) -> threading.Lock:

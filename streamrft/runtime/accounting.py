@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -20,25 +21,34 @@ class Accounting:
     refilled_prompts: int = 0
     metrics: object | None = None  # PipelineMetrics, when exported
 
+    def _together(self):
+        """Each count and its exported counter change under the scrape lock, so a scrape (whose probe
+        derives in_flight{stage="pipeline"} from these counts) never sees one without the other."""
+        return self.metrics.atomic() if self.metrics is not None else contextlib.nullcontext()
+
     def admit(self, n: int) -> None:
-        self.admitted += n
-        if self.metrics is not None:
-            self.metrics.samples_admitted.inc(n)
+        with self._together():
+            self.admitted += n
+            if self.metrics is not None:
+                self.metrics.samples_admitted.inc(n)
 
     def train(self, n: int) -> None:
-        self.trained += n
-        if self.metrics is not None:
-            self.metrics.samples_trained.inc(n)
+        with self._together():
+            self.trained += n
+            if self.metrics is not None:
+                self.metrics.samples_trained.inc(n)
 
     def filter(self, reason: str, n: int = 1) -> None:
-        self.filtered[reason] += n
-        if self.metrics is not None:
-            self.metrics.samples_filtered.labels(reason=reason).inc(n)
+        with self._together():
+            self.filtered[reason] += n
+            if self.metrics is not None:
+                self.metrics.samples_filtered.labels(reason=reason).inc(n)
 
     def fail(self, reason: str, n: int = 1) -> None:
-        self.failed[_short(reason)] += n
-        if self.metrics is not None:
-            self.metrics.samples_failed.labels(reason=_short(reason)).inc(n)
+        with self._together():
+            self.failed[_short(reason)] += n
+            if self.metrics is not None:
+                self.metrics.samples_failed.labels(reason=_short(reason)).inc(n)
 
     @property
     def settled(self) -> int:
