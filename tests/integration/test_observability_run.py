@@ -53,6 +53,20 @@ def prom_query(base: str, promql: str) -> list[dict]:
     return body["data"]["result"] if body.get("status") == "success" else []
 
 
+def wait_ready(base: str, process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Block until Prometheus answers /-/ready: started after it, a short run could end unscraped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"Prometheus at {base} was not ready within {timeout_s:.0f}s (exit code {process.poll()})")
+
+
 def stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.terminate()
@@ -72,7 +86,8 @@ def observed(arith_dir, tmp_path_factory):
     if PROMETHEUS is not None:
         prom_port = free_port()
         (out / "prometheus.yml").write_text(
-            "global: {scrape_interval: 1s}\nscrape_configs:\n"
+            # a fast interval: the whole 60-step run keeps its exporter up for only a few seconds
+            "global: {scrape_interval: 250ms, scrape_timeout: 250ms}\nscrape_configs:\n"
             f"  - job_name: streamrft\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
         )
         prometheus = subprocess.Popen(
@@ -80,6 +95,7 @@ def observed(arith_dir, tmp_path_factory):
              f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         prom_base = f"http://127.0.0.1:{prom_port}"
+        wait_ready(prom_base, prometheus)
     overrides = arith_overrides(
         arith_dir, out / "run", "train.max_steps=60", f"metrics.port={port}", "metrics.tensorboard=true",
         f"metrics.wandb_project={SECRET}",  # a config string equal to a credential's value: must be redacted
