@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Iterable
@@ -124,6 +125,9 @@ class HFEngine:
         self._was_training = False
         self._asleep = False
         self._offloaded_from: torch.device | None = None
+        # held by the worker thread for each forward: a cancelled generate() leaves its thread running, and
+        # FSDP swaps the module's registered parameters during a forward (see quiesce)
+        self._forward_lock = threading.Lock()
 
     # ------------------------------------------------------------------ generation
 
@@ -308,7 +312,7 @@ class HFEngine:
     ) -> tuple[list[int], list[float]]:
         """One forward (prefill or decode) and one sampled token per row; runs in a worker thread,
         so grad mode is set here (it is thread-local)."""
-        with torch.no_grad():
+        with self._forward_lock, torch.no_grad():
             out = self.module(
                 input_ids=input_ids_BL,
                 attention_mask=mask_BL,
@@ -328,6 +332,13 @@ class HFEngine:
         return tokens_B.tolist(), logp_B.tolist()
 
     # ------------------------------------------------------------------ lifecycle and weights
+
+    def quiesce(self) -> None:
+        """Return once no forward is running in a worker thread. A generate() cancelled by a signal does
+        not stop the forward its thread is in; a checkpoint taken meanwhile would see FSDP's unsharded
+        parameters registered on the module instead of the optimizer's sharded ones."""
+        with self._forward_lock:
+            pass
 
     async def sleep(self, level: int = 1) -> None:
         """Level 1: the engine keeps no KV cache between calls, so only the allocator cache is freed.

@@ -333,6 +333,9 @@ async def _run_with_signals(run: Run) -> dict[str, float]:
         return await train_loop(run)
     except asyncio.CancelledError:
         if received:
+            quiesce = getattr(run.engine, "quiesce", None)
+            if quiesce is not None:  # a forward of the cancelled rollout may still run in its thread
+                quiesce()
             run.checkpointer.save_on_signal()  # the last completed step, unless it is saved already
             raise KeyboardInterrupt(f"streamrft: stopped by {received[0]} on rank {run.dist.rank}; sockets closed") from None
         raise
