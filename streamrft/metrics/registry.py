@@ -196,6 +196,16 @@ class PipelineMetrics:
             "Policy versions between a sample's generation and the learner that trains on it.",
             buckets=_STALENESS_BUCKETS, registry=r,
         )
+        self.admission_in_flight_groups = Gauge(
+            "streamrft_admission_in_flight_groups",
+            "Prompt groups admitted by the Generator and not yet kept or filtered (the admission gate's count).",
+            registry=r,
+        )
+        self.admission_blocked = Gauge(
+            "streamrft_admission_blocked",
+            "1 while the admission gate holds the next group back for this reason (paused, in_flight, staleness).",
+            ["reason"], registry=r,
+        )
         self.samples_admitted = Counter(
             "streamrft_samples_admitted", "Samples admitted by the Generator.", registry=r
         )
