@@ -29,6 +29,9 @@ class GeneratedSample:
     finish_reason: str  # "stop" | "length"
     policy_version: int
     seconds: float = 0.0  # wall time from the batch start to this sample's end
+    # per response token: the policy version that sampled it ([] = all ``policy_version``); differs within a
+    # row only when a weight update lands mid-generation
+    token_versions: list[int] = field(default_factory=list)
     extras: dict = field(default_factory=dict)
 
 
