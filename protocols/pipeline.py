@@ -118,6 +118,8 @@ class TrajectoryRecord(Message, kw_only=True):
     finish_reason: str = ""
     timings: dict[str, float] = {}  # seconds: generate, score, ...
     media: list[MediaRef] = []  # the prompt's media by reference; [] = text-only
+    token_versions: list[int] = []  # per response token: the policy version that sampled it
+    learner_version: int = -1  # the learner version whose update trained this sample; -1 = not trained
 
 
 class Control(Message, kw_only=True):

@@ -12,9 +12,9 @@ The data position needs no state: the prompts of step ``s`` are a pure function 
 (``Generator.plan``, ``EpochOrder``), so resuming at step ``k`` replays exactly what an uninterrupted run
 would have done, sampling included (per-sample seeds).
 
-In flight at a step boundary: nothing. In the colocated synchronous loop every admitted sample of step
-``k`` is trained, filtered or failed before ``step_done(k)``; it asserts that (Accounting settled). A
-disaggregated mode with samples parked across steps would have to add them to the checkpoint.
+In flight at a step boundary: with rollout.max_staleness > 0, samples of later steps may be admitted
+already. They are not saved: the Accounting state leaves them out (``Accounting.state_dict``) and a
+resumed run generates them again from their per-sample seeds, so none is trained twice.
 
 SIGTERM: ``step_done`` keeps a snapshot of the cheap per-rank state taken at the boundary, and the model
 and optimizer only change inside a train step, so on a signal the last completed step can be saved
@@ -114,7 +114,6 @@ class Checkpointer:
         """Call right after train step ``step`` (1-based count of completed steps), before anything
         else changes state: snapshots per-rank state; saves every checkpoint.save_every steps and at
         train.max_steps. Returns the checkpoint folder when one was written."""
-        assert self.accounting.admitted == self.accounting.settled, "samples in flight at a step boundary"
         self._snapshot = _Snapshot(step, policy_version, self._rank_state())
         every = self.cfg.checkpoint.save_every
         if (every and step % every == 0) or step == self.cfg.train.max_steps:

@@ -27,6 +27,9 @@ def validate_rollout(cfg, world_size: int) -> None:
         raise ConfigError(f"rollout.stage_timeout_s={r.stage_timeout_s} must be > 0")
     if r.channel_transport not in ("inproc", "ipc", "tcp"):
         raise ConfigError(f"rollout.channel_transport={r.channel_transport!r}: choose inproc, ipc or tcp")
+    from streamrft.config.rollout import validate_rollout_runtime
+
+    validate_rollout_runtime(cfg, world_size)
 
 
 def validate_sampling(e) -> None:

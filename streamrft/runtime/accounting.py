@@ -20,31 +20,44 @@ class Accounting:
     failed: Counter = field(default_factory=Counter)  # reason -> samples
     refilled_prompts: int = 0
     metrics: object | None = None  # PipelineMetrics, when exported
+    # Per planned step: samples admitted and not yet settled. Steps overlap when rollout.max_staleness > 0
+    # (the next step's groups are generated while this one trains), so the end-of-step check is per step.
+    open_by_step: Counter = field(default_factory=Counter)
+
+    def _open(self, step: int | None, n: int) -> None:
+        if step is not None:
+            self.open_by_step[step] += n
+            if not self.open_by_step[step]:
+                del self.open_by_step[step]
 
     def _together(self):
         """Each count and its exported counter change under the scrape lock, so a scrape (whose probe
         derives in_flight{stage="pipeline"} from these counts) never sees one without the other."""
         return self.metrics.atomic() if self.metrics is not None else contextlib.nullcontext()
 
-    def admit(self, n: int) -> None:
+    def admit(self, n: int, step: int | None = None) -> None:
+        self._open(step, n)
         with self._together():
             self.admitted += n
             if self.metrics is not None:
                 self.metrics.samples_admitted.inc(n)
 
-    def train(self, n: int) -> None:
+    def train(self, n: int, step: int | None = None) -> None:
+        self._open(step, -n)
         with self._together():
             self.trained += n
             if self.metrics is not None:
                 self.metrics.samples_trained.inc(n)
 
-    def filter(self, reason: str, n: int = 1) -> None:
+    def filter(self, reason: str, n: int = 1, step: int | None = None) -> None:
+        self._open(step, -n)
         with self._together():
             self.filtered[reason] += n
             if self.metrics is not None:
                 self.metrics.samples_filtered.labels(reason=reason).inc(n)
 
-    def fail(self, reason: str, n: int = 1) -> None:
+    def fail(self, reason: str, n: int = 1, step: int | None = None) -> None:
+        self._open(step, -n)
         with self._together():
             self.failed[_short(reason)] += n
             if self.metrics is not None:
@@ -54,24 +67,36 @@ class Accounting:
     def settled(self) -> int:
         return self.trained + sum(self.filtered.values()) + sum(self.failed.values())
 
+    @property
+    def in_flight(self) -> int:
+        return sum(self.open_by_step.values())
+
     def check(self, step: int) -> None:
-        """Called at the end of every step, when nothing is in flight."""
-        if self.admitted != self.settled:
+        """Called at the end of every train step: every sample of steps up to ``step`` is settled, and
+        admitted = settled + in flight (samples of later steps, admitted early under max_staleness > 0)."""
+        unsettled = {s: n for s, n in self.open_by_step.items() if s <= step}
+        if self.admitted != self.settled + self.in_flight or unsettled:
             raise AccountingError(
                 f"rank {self.rank} step {step}: admitted={self.admitted} but trained={self.trained} + "
-                f"filtered={dict(self.filtered)} + failed={dict(self.failed)} = {self.settled}; "
-                "a sample was lost or counted twice"
+                f"filtered={dict(self.filtered)} + failed={dict(self.failed)} = {self.settled}, in flight "
+                f"{dict(self.open_by_step)}; a sample was lost or counted twice"
             )
 
+
+
     def state_dict(self) -> dict:
-        """The counters, JSON-encodable (checkpoints)."""
-        return {"admitted": self.admitted, "trained": self.trained, "filtered": dict(self.filtered),
+        """The counters, JSON-encodable (checkpoints), as if the samples in flight had never been
+        admitted: a resumed run drops them and generates them again (their seeds are a function of
+        (seed, step, prompt, sample)), so none is trained twice. Samples of later steps that were already
+        filtered or failed stay counted as settled and admitted."""
+        return {"admitted": self.admitted - self.in_flight, "trained": self.trained, "filtered": dict(self.filtered),
                 "failed": dict(self.failed), "refilled_prompts": self.refilled_prompts}
 
     def load_state_dict(self, state: dict) -> None:
         self.admitted, self.trained = state["admitted"], state["trained"]
         self.filtered, self.failed = Counter(state["filtered"]), Counter(state["failed"])
         self.refilled_prompts = state["refilled_prompts"]
+        self.open_by_step.clear()
 
     def summary(self) -> dict[str, float]:
         out = {"samples_admitted": self.admitted, "samples_trained": self.trained}

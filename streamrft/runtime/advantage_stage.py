@@ -50,9 +50,12 @@ class AdvantageStage(Stage):
 
     async def handle(self, header, tensors) -> bool:
         if isinstance(header, Control):
-            if header.signal == "end_of_step" and self.groups:
-                open_groups = sorted(self.groups)[:3]
-                raise RuntimeError(f"advantage rank {self.ctx.rank}: end of step {header.step} with incomplete groups {open_groups}")
+            if header.signal == "end_of_step":
+                # groups of later steps may be open (max_staleness > 0); this step's must all be complete
+                open_groups = sorted(g for g, samples in self.groups.items() if samples[0][0].completion.step == header.step)
+                if open_groups:
+                    raise RuntimeError(f"advantage rank {self.ctx.rank}: end of step {header.step} with incomplete "
+                                       f"groups {open_groups[:3]}")
             await self.outbox.send(header, timeout=self.ctx.stage_timeout_s)
             return header.signal == "stop"
         group = self.groups.setdefault(header.completion.group_id, [])
@@ -68,10 +71,10 @@ class AdvantageStage(Stage):
         ok = []
         for scored, tensors in group:
             if scored.status != "ok":
-                acct.fail(scored.fail_reason)
+                acct.fail(scored.fail_reason, step=step)
                 self.dropped.append((scored, tensors, "failed", scored.fail_reason))
             elif self.algo.overlong_filter and scored.completion.finish_reason == "length":
-                acct.filter("overlong")
+                acct.filter("overlong", step=step)
                 self.dropped.append((scored, tensors, "filtered", "overlong"))
             else:
                 ok.append((scored, tensors))
@@ -95,7 +98,7 @@ class AdvantageStage(Stage):
             if self.algo.dynamic_sampling and bool(
                 zero_variance_groups(rewards, torch.zeros(len(ok), dtype=torch.int64)).all()
             ):
-                acct.filter("zero_variance", len(ok))
+                acct.filter("zero_variance", len(ok), step=step)
                 self.dropped.extend((s, t, "filtered", "zero_variance") for s, t in ok)
                 reason = "filtered:zero_variance"
         if reason == "kept":

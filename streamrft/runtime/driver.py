@@ -45,6 +45,8 @@ class Run:
     run_id: str = ""
     checkpointer: object = None
     trainable_params: int = 0  # N of the 6·N·tokens FLOPs estimate
+    training: bool = False  # a train step runs in its worker thread
+    stop_requested: str = ""  # the signal received while training (the loop stops after the step)
 
 
 def build_run(cfg: Config, dist) -> Run:
@@ -83,8 +85,9 @@ def build_run(cfg: Config, dist) -> Run:
     metrics, exporter = _build_metrics(cfg, dist, accounting)
     ctx = StageContext(rank=dist.rank, stage_timeout_s=cfg.rollout.stage_timeout_s, accounting=accounting, fail_fast=cfg.fail_fast, metrics=metrics)
     run_id = uuid.uuid4().hex[:8]
-    pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, teacher, run_id=run_id, policy_version_fn=lambda: engine.policy_version)
-    phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level, push_full_weights=cfg.engine.type != "hf", offload=cfg.train.offload_between_phases)
+    pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, teacher, run_id=run_id)
+    phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level, push_full_weights=cfg.engine.type != "hf",
+                            offload=cfg.train.offload_between_phases, admission=pipeline)
     critic = None
     if cfg.model.critic_path:
         from streamrft.learner.critic import Critic
@@ -136,8 +139,9 @@ def _build_sinks(cfg, dist, run_id):
 
 
 async def train_loop(run: Run) -> dict[str, float]:
-    """Resume or evaluate, then for each step: rollout → decide → train → checkpoint → push weights;
-    evaluate again. A resumed run skips the "before" evaluation and reports the checkpoint's."""
+    """Resume or evaluate, then for each step: take the step's batch from the long-lived stages →
+    decide → train (in a worker thread: the stages keep moving) → checkpoint → push weights; evaluate
+    again. A resumed run skips the "before" evaluation and reports the checkpoint's."""
     from streamrft.checkpoint import reset_steps_log
 
     cfg, phase, pipeline = run.cfg, run.phase, run.pipeline
@@ -145,6 +149,7 @@ async def train_loop(run: Run) -> dict[str, float]:
     await pipeline.start()
     resumed = run.checkpointer.resume(_stateful(run))  # None when starting fresh
     start = resumed.step if resumed else 0
+    pipeline.launch(start_step=start)
     if run.dist.rank == 0:
         reset_steps_log(Path(cfg.output_dir) / "steps.jsonl", start)
     await phase.enter_rollout(version=resumed.policy_version if resumed else 0)
@@ -156,19 +161,22 @@ async def train_loop(run: Run) -> dict[str, float]:
     progress = _progress(run, cfg.train.max_steps - start, "train")
     for step in range(start, cfg.train.max_steps):
         step_started = time.perf_counter()
-        batch = await pipeline.run_step(step)  # ROLLOUT: streamed through every stage
+        batch = await pipeline.take(step, learner_version=step)  # step k trains at learner version k
         global_samples = phase.batch_ready(len(batch))  # one all-reduce decides ROLLOUT → TRAIN
         await phase.enter_train()
         train_started = time.perf_counter()
-        stats = run.actor.train_step(batch) if global_samples else {}
+        stats = await _train_off_loop(run, batch) if global_samples else {}
         stats["train_seconds"] = time.perf_counter() - train_started
-        run.accounting.train(len(batch))
+        run.accounting.train(len(batch), step=step)
         run.accounting.check(step)
+        run.pipeline.generator.forget_through(step)
         run.checkpointer.step_done(step + 1, policy_version=step + 1)  # saves every checkpoint.save_every steps
-        await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake
+        await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake, open the gate
         _step_stats(run, batch, stats, step_started)
         _log_step(run, step, stats, progress)
         _write_trajectories(run, step, batch)
+        if run.stop_requested:
+            raise asyncio.CancelledError  # a signal arrived while the step trained: it is complete now
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and step + 1 < cfg.train.max_steps:
             _announce(run, f"step {step + 1}: {await _evaluate(run)}", progress)
     progress.close()
@@ -178,13 +186,29 @@ async def train_loop(run: Run) -> dict[str, float]:
     return summary
 
 
+async def _train_off_loop(run: Run, batch) -> dict[str, float]:
+    """The train step in a worker thread, so the stages (scoring, advantages, the feed) keep moving.
+    A signal that arrives meanwhile is deferred to the end of the step (``run.stop_requested``): the
+    weights change inside the thread, and a checkpoint must see a whole step or none."""
+    run.training = True
+    try:
+        return await asyncio.to_thread(run.actor.train_step, batch.samples)
+    finally:
+        run.training = False
+
+
 def _step_stats(run: Run, batch, stats: dict[str, float], step_started: float) -> None:
     """Add the driver's own per-step values (all reduced over ranks) to the learner's ``stats``:
     rewards, phase timings, throughput, MFU; count tokens on the Prometheus counters."""
     from streamrft.metrics.probe import mfu, training_flops
+    from streamrft.runtime.distributed import all_reduce_max
 
     stats.update(_reward_stats(batch, run.actor.all_reduce_sum, [src.name for src in run.cfg.reward.sources]))
     stats.update({f"phase/{k}_seconds": v for k, v in run.phase.timings.items()})
+    behind = batch.versions_behind()  # per trained sample: learner version - its oldest token's version
+    n, total = run.actor.all_reduce_sum(torch.tensor([len(behind), sum(behind)], dtype=torch.float64)).tolist()
+    stats["versions_behind_mean"] = total / max(n, 1.0)
+    stats["versions_behind_max"] = float(all_reduce_max(torch.tensor([float(max(behind, default=0))]), stage="versions_behind").item())
     stats["step_seconds"] = seconds = max(time.perf_counter() - step_started, 1e-9)
     local = [float(run.pipeline.generator.generated_tokens), float(sum(len(s.prompt_ids) + len(s.response_ids) for s in batch))]
     generated, processed = run.actor.all_reduce_sum(torch.tensor(local)).tolist()
@@ -325,7 +349,10 @@ async def _run_with_signals(run: Run) -> dict[str, float]:
 
     def on_signal(name: str) -> None:
         received.append(name)
-        main.cancel()
+        if run.training:  # the step in the worker thread completes first (see _train_off_loop)
+            run.stop_requested = name
+        else:
+            main.cancel()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)

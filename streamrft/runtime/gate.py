@@ -62,7 +62,7 @@ class AdmissionGate:
         async with self._changed:
             self._changed.notify_all()
 
-    async def admit(self, groups: int) -> None:
+    def admit(self, groups: int) -> None:
         self.in_flight += groups
         self._export(None, None)
 

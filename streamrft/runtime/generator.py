@@ -1,5 +1,10 @@
 """The Generator stage: admits prompt groups, samples them with the engine, streams completions on.
 
+It lives for the whole run: it plans step after step and admits each step's groups through the
+AdmissionGate (groups in flight, staleness bound, open while the engine may generate), while a
+companion task consumes the AdvantageStage's ``group_done`` feedback as it comes (refills, the step's
+``end_of_step``), so no setting of ``rollout.channel_capacity`` or ``prompts_per_step`` can deadlock it.
+
 Each rank takes its slice of the step's global prompts. A group's samples are seeded by
 (run seed, step, global prompt index, sample index), so rollouts do not depend on the number of ranks.
 With dynamic sampling (DAPO), groups the AdvantageStage filters out are replaced by refill prompts
@@ -15,9 +20,10 @@ processor's (with the expanded placeholders), and the engine gets the decoded pr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,7 +31,8 @@ from protocols import Completion, Control, PromptGroup
 from streamrft.data import DataError, EpochOrder, PromptDataset
 from streamrft.engines.base import GenerationRequest
 from streamrft.engines.sampling import sample_seed
-from streamrft.runtime.stage import Stage, StageContext
+from streamrft.runtime.gate import AdmissionGate
+from streamrft.runtime.stage import Stage, StageContext, StageError
 
 # Refill prompts come from a second order over the dataset, so they never shift the main order.
 _REFILL_SEED_OFFSET = 7919
@@ -39,11 +46,31 @@ class StepPlan:
     quota: int  # groups this rank must deliver (kept) for the step
 
 
+@dataclass
+class _StepState:
+    """A step's groups while they are generated, scored and resolved."""
+
+    quota: int
+    pending: set[str] = field(default_factory=set)  # group ids admitted and not yet resolved
+    kept: int = 0
+    filtered_in_wave: int = 0  # filtered since the last refill decision
+    all_admitted: bool = False  # every planned group has been admitted
+    ended: bool = False  # end_of_step sent
+
+
 class Generator(Stage):
     name = "generator"
 
-    def __init__(self, ctx: StageContext, feedback_inbox, outbox, engine, tokenizer, dataset: PromptDataset, cfg, world_size: int):
+    def __init__(self, ctx: StageContext, feedback_inbox, outbox, engine, tokenizer, dataset: PromptDataset, cfg, world_size: int,
+                 gate: AdmissionGate, start_step: int = 0):
         super().__init__(ctx, feedback_inbox)
+        self.gate = gate
+        self.start_step = start_step  # first step to plan (a resumed run starts after its checkpoint)
+        self.steps: dict[int, _StepState] = {}
+        self.generating: set[asyncio.Task] = set()  # generate calls in flight
+        self._idle: asyncio.Future | None = None
+        self._failure: asyncio.Future | None = None
+        self._send_lock: asyncio.Lock | None = None
         self.outbox = outbox
         self.engine = engine
         self.tokenizer = tokenizer
@@ -128,48 +155,143 @@ class Generator(Stage):
                 raise
             kind = "media_error" if isinstance(exc, MediaError) else "data_error"
             n = self.cfg.rollout.n_samples_per_prompt
-            self.ctx.accounting.admit(n)
-            self.ctx.accounting.fail(f"{kind}: {exc}", n)
+            self.ctx.accounting.admit(n, step=step)
+            self.ctx.accounting.fail(f"{kind}: {exc}", n, step=step)
             log.warning("generator rank %d: %d samples failed: %s", self.ctx.rank, n, exc)
             return None
 
-    async def run_step(self, step: int) -> None:
-        """Admit, generate and stream this rank's groups for ``step``; return once every admitted
-        group is resolved (kept or filtered) and end_of_step has been sent downstream."""
+    # ------------------------------------------------------------------ the long-lived loop
+
+    async def run(self) -> None:
+        """Admit groups step after step, through the gate, until ``train.max_steps``; consume
+        ``group_done`` feedback concurrently (refills, step ends). Runs for the whole run."""
+        self._send_lock = asyncio.Lock()
+        feedback = asyncio.create_task(self._consume_feedback(), name=f"generator-feedback-rank{self.ctx.rank}")
+        self._failure = asyncio.get_running_loop().create_future()
+        feedback.add_done_callback(self._on_task_done)
+        try:
+            step = self.start_step
+            while step < self.cfg.train.max_steps:
+                await self._admit_step(step)
+                step += 1
+            await self._failure  # nothing more to admit: wait for a failure or cancellation
+        finally:
+            feedback.cancel()
+            for task in list(self.generating):
+                task.cancel()
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        self.generating.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self._failure.done():
+            self._failure.set_exception(task.exception())
+        if not self.generating and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None and self._failure.done() and not self._failure.cancelled():
+            raise self._failure.exception()
+
+    async def _admit_step(self, step: int) -> None:
         plan = self.plan(step)
+        state = _StepState(quota=plan.quota)
+        self.steps[step] = state
+        positions = list(plan.positions)
+        while positions:
+            room = await self._wait_gate(step)
+            batch, positions = positions[:room], positions[room:]
+            self._launch(state, step, [(pos, None) for pos in batch])
+        state.all_admitted = True
+        await self._maybe_end(step)
+
+    async def _wait_gate(self, step: int) -> int:
+        """The gate, watched together with the generator's own tasks (a failure ends the wait)."""
+        wait = asyncio.ensure_future(self.gate.wait_admissible(step))
+        try:
+            await asyncio.wait({wait, self._failure}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not wait.done():
+                wait.cancel()
+        self._raise_failure()
+        return wait.result()
+
+    def _launch(self, state: "_StepState", step: int, picks: list[tuple[int, int | None]]) -> None:
+        """Admit groups (position, refill index or None) of ``step`` and start generating them."""
+        groups = [g for g in (self._admit(step, pos, refill) for pos, refill in picks) if g is not None]
+        if not groups:
+            return
+        for group, _ in groups:
+            state.pending.add(group.group_id)
+            self.ctx.accounting.admit(group.n_samples, step=step)
+        self.gate.admit(len(groups))
+        task = asyncio.create_task(self._generate(groups), name=f"generator-batch-rank{self.ctx.rank}")
+        self.generating.add(task)
+        self._idle = None
+        task.add_done_callback(self._on_task_done)
+
+    async def _consume_feedback(self) -> None:
+        while True:
+            header, _ = await self.recv()
+            if not isinstance(header, Control) or header.signal != "group_done":
+                raise RuntimeError(f"generator rank {self.ctx.rank}: unexpected feedback {header!r}")
+            state = self.steps[header.step]
+            state.pending.discard(header.group_id)
+            await self.gate.release(1)
+            if header.reason == "kept":
+                state.kept += 1
+            else:
+                state.filtered_in_wave += 1
+            await self._maybe_end(header.step)
+
+    def _refill(self, state: "_StepState", step: int) -> bool:
+        """DAPO dynamic sampling: once a wave of groups is resolved and some were filtered, admit refill
+        prompts for the step's shortfall of kept groups (as one wave, like the step loop did; refills
+        belong to a step already admitted, so they bypass the staleness bound). True if any started."""
         algo = self.cfg.algorithm
-        batch = [g for g in (self._admit(step, pos, None) for pos in plan.positions) if g is not None]
-        kept = 0
-        while batch:
-            await self._generate(batch)
-            pending = {g.group_id for g, _ in batch}
-            filtered = 0
-            while pending:
-                header, _ = await self.recv()
-                if not isinstance(header, Control) or header.signal != "group_done":
-                    raise RuntimeError(f"generator rank {self.ctx.rank}: unexpected feedback {header!r}")
-                pending.discard(header.group_id)
-                if header.reason == "kept":
-                    kept += 1
-                else:
-                    filtered += 1
-            batch = []
-            deficit = plan.quota - kept
-            if algo.dynamic_sampling and filtered and deficit > 0:
-                n = min(deficit, algo.max_extra_prompts - self.refills_used)
-                for _ in range(max(n, 0)):
-                    position = self.refills_used * self.world_size + self.ctx.rank
-                    admitted = self._admit(step, position, self.refills_used)
-                    if admitted is not None:
-                        batch.append(admitted)
-                    self.refills_used += 1
-                    self.ctx.accounting.refilled_prompts += 1
-        await self.outbox.send(Control(signal="end_of_step", step=step), timeout=self.ctx.stage_timeout_s)
+        filtered, state.filtered_in_wave = state.filtered_in_wave, 0
+        deficit = state.quota - state.kept
+        if not (algo.dynamic_sampling and filtered and deficit > 0):
+            return False
+        picks = []
+        for _ in range(max(min(deficit, algo.max_extra_prompts - self.refills_used), 0)):
+            picks.append((self.refills_used * self.world_size + self.ctx.rank, self.refills_used))
+            self.refills_used += 1
+            self.ctx.accounting.refilled_prompts += 1
+        self._launch(state, step, picks)
+        return bool(state.pending)
+
+    async def _maybe_end(self, step: int) -> None:
+        """Every group of ``step`` is resolved and no refill is coming: end_of_step follows the step's
+        last sample downstream (group_done is sent after the group's samples, on the same path)."""
+        state = self.steps.get(step)
+        if state is None or state.ended or not state.all_admitted or state.pending:
+            return
+        if self._refill(state, step):
+            return
+        state.ended = True
+        async with self._send_lock:
+            await self.outbox.send(Control(signal="end_of_step", step=step), timeout=self.ctx.stage_timeout_s)
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Wait until no generate call is running (colocated: before the learner takes the devices)."""
+        if not self.generating:
+            return
+        self._idle = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.wait({self._idle, self._failure}, return_when=asyncio.FIRST_COMPLETED)
+        except TimeoutError:
+            raise StageError(f"stage generator on rank {self.ctx.rank}: generation still running after "
+                             f"{timeout_s:.0f}s when the learner needed the devices (rollout.stage_timeout_s)") from None
+        self._raise_failure()
+
+    def forget_through(self, step: int) -> None:
+        """Drop the bookkeeping of steps up to ``step`` (trained)."""
+        for s in [s for s in self.steps if s <= step]:
+            del self.steps[s]
 
     async def _generate(self, groups: list[tuple[PromptGroup, torch.Tensor]]) -> None:
         requests, meta, mm = [], {}, {}
         for group, ids in groups:
-            self.ctx.accounting.admit(group.n_samples)
             for j in range(group.n_samples):
                 sid = f"{group.group_id}-{j}"
                 seed = sample_seed(self.cfg.seed, group.step, group.prompt_index, j)
@@ -185,6 +307,7 @@ class Generator(Stage):
             group, ids, j = meta.pop(out.request_id)
             response = torch.tensor(out.response_ids, dtype=torch.int64)
             logprobs = torch.tensor(out.logprobs, dtype=torch.float32)
+            versions = torch.tensor(out.token_versions or [out.policy_version] * len(out.response_ids), dtype=torch.int64)
             self.generated_tokens += len(out.response_ids)
             header = Completion(
                 sample_id=out.request_id,
@@ -204,11 +327,13 @@ class Generator(Stage):
                 generate_seconds=out.seconds,
                 media=group.media,
             )
-            await self.outbox.send(
-                header,
-                {"prompt_ids": ids, "response_ids": response, "behaviour_logprobs": logprobs},
-                timeout=self.ctx.stage_timeout_s,
-            )
+            async with self._send_lock:
+                await self.outbox.send(
+                    header,
+                    {"prompt_ids": ids, "response_ids": response, "behaviour_logprobs": logprobs,
+                     "token_versions": versions},
+                    timeout=self.ctx.stage_timeout_s,
+                )
         if meta:
             raise RuntimeError(f"generator rank {self.ctx.rank}: engine returned no output for {sorted(meta)[:3]}...")
         if self.ctx.metrics is not None:

@@ -2,9 +2,12 @@
 
 ROLLOUT → TRAIN happens when the learner inbox holds a full train batch on every rank: one
 all-reduce of the per-rank sample counts decides it (and gives the global batch size).
-Then: engine.sleep() (free the KV cache), reshard the learner, reload optimizer state, train.
+Then: close the admission gate and let running generate calls finish (``drain``; with
+rollout.max_staleness > 0 the next step's first groups may be generating), engine.sleep() (free the KV
+cache), reshard the learner, reload optimizer state, train.
 TRAIN → ROLLOUT: offload optimizer state, push weights to the engine (the embedded hf engine runs the
-learner's own module, so only the version moves), unshard for generation, engine.wake().
+learner's own module, so only the version moves), unshard for generation, engine.wake(), open the gate
+for the new version.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ ROLLOUT, TRAIN = "rollout", "train"
 
 
 class PhaseController:
-    def __init__(self, strategy, engine, all_reduce_sum, metrics=None, sleep_level: int = 1, push_full_weights: bool = False, bucket_bytes: int = 256 << 20, offload: bool = True):
+    def __init__(self, strategy, engine, all_reduce_sum, metrics=None, sleep_level: int = 1, push_full_weights: bool = False, bucket_bytes: int = 256 << 20, offload: bool = True, admission=None):
         self.strategy, self.engine = strategy, engine
+        self.admission = admission  # the Pipeline: pause() / resume(version) of its admission gate
         self.offload = offload  # train.offload_between_phases
         # The embedded hf engine runs the learner's own module: only the version moves. vLLM and
         # SGLang hold their own copy: the full weights are pushed in buckets (every rank drains them).
@@ -68,6 +72,8 @@ class PhaseController:
             self.strategy.unshard_for_rollout()
         with self._timed("wake"):
             await self.engine.wake()
+        if self.admission is not None:
+            await self.admission.resume(version)
         self.timings["train_to_rollout"] = time.perf_counter() - started
         if self.metrics is not None:
             self.metrics.phase_switch_seconds.labels(transition="train_to_rollout").observe(self.timings["train_to_rollout"])
@@ -82,6 +88,9 @@ class PhaseController:
     async def enter_train(self) -> None:
         assert self.state == ROLLOUT, self.state
         started = time.perf_counter()
+        with self._timed("drain"):
+            if self.admission is not None:
+                await self.admission.pause()
         with self._timed("sleep"):
             await self.engine.sleep(self.sleep_level)
         with self._timed("reshard"):

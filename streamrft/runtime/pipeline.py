@@ -1,4 +1,6 @@
-"""Wires one rank's stages with credit-based channels and supervises them.
+"""Wires one rank's stages with credit-based channels and supervises them. The stages live for the
+whole run; the driver takes one step's batch at a time (``take``) and opens or closes the admission
+gate around the learner's use of the devices (``pause`` / ``resume``).
 
     Generator ─► RewardScorer ─► TeacherFetcher ─► AdvantageStage ─► LearnerFeed
         ▲                                              │ group_done (kept / filtered)
@@ -18,17 +20,20 @@ import uuid
 from protocols import Completion, Control, ScoredSample
 from streamrft.runtime.advantage_stage import AdvantageStage
 from streamrft.runtime.channels import ChannelReceiver, ChannelSender, channel_address
-from streamrft.runtime.feed import LearnerFeed, TrainSample
+from streamrft.runtime.feed import LearnerFeed, TrainBatch
+from streamrft.runtime.gate import AdmissionGate, max_groups_in_flight
 from streamrft.runtime.generator import Generator
 from streamrft.runtime.scoring import RewardScorerStage, TeacherFetcherStage
 from streamrft.runtime.stage import StageContext, StageError
 
 
 class Pipeline:
-    def __init__(self, cfg, ctx: StageContext, world_size: int, engine, tokenizer, dataset, scorer, teacher=None, run_id: str | None = None, policy_version_fn=lambda: 0):
+    def __init__(self, cfg, ctx: StageContext, world_size: int, engine, tokenizer, dataset, scorer, teacher=None, run_id: str | None = None):
         self.cfg, self.ctx, self.world_size = cfg, ctx, world_size
         self.engine, self.tokenizer, self.dataset, self.scorer, self.teacher = engine, tokenizer, dataset, scorer, teacher
-        self.policy_version_fn = policy_version_fn
+        r = cfg.rollout
+        self.gate = AdmissionGate(r.max_staleness, max_groups_in_flight(r.channel_capacity, r.n_samples_per_prompt),
+                                  metrics=ctx.metrics)
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self._sockets: list = []
         self.stages: list = []
@@ -46,15 +51,16 @@ class Pipeline:
         return receiver, sender
 
     async def start(self) -> None:
-        """Create channels and stage tasks. Runs inside the event loop: receivers answer credit
-        handshakes from the loop they were created in."""
+        """Create channels and stages, not yet their tasks (``launch``). Runs inside the event loop:
+        receivers answer credit handshakes from the loop they were created in."""
         cfg, ctx = self.cfg, self.ctx
         reward_in, to_reward = self._link("reward", Completion | Control)
         advantage_in, to_advantage = self._link("advantage", ScoredSample | Control)
         feed_in, to_feed = self._link("learner_feed", ScoredSample | Control)
         feedback_in, to_generator = self._link("generator_feedback", Control)
-        self.generator = Generator(ctx, feedback_in, to_reward, self.engine, self.tokenizer, self.dataset, cfg, self.world_size)
-        self.feed = LearnerFeed(ctx, feed_in, cfg.rollout.max_staleness, self.policy_version_fn)
+        self.generator = Generator(ctx, feedback_in, to_reward, self.engine, self.tokenizer, self.dataset, cfg, self.world_size,
+                                   self.gate)
+        self.feed = LearnerFeed(ctx, feed_in, cfg.rollout.max_staleness, cfg.rollout.stale_policy)
         self.advantage = AdvantageStage(ctx, advantage_in, to_feed, to_generator, cfg)
         if self.teacher is None:
             self.stages = [RewardScorerStage(ctx, reward_in, to_advantage, self.scorer, cfg.reward.max_concurrency)]
@@ -64,9 +70,14 @@ class Pipeline:
                 RewardScorerStage(ctx, reward_in, to_teacher, self.scorer, cfg.reward.max_concurrency),
                 TeacherFetcherStage(ctx, teacher_in, to_advantage, self.teacher, cfg.reward.max_concurrency),
             ]
-        self.stages += [self.advantage, self.feed]
+        self.stages += [self.advantage, self.feed, self.generator]
+
+    def launch(self, start_step: int) -> None:
+        """Start every stage's task; the Generator plans from ``start_step`` on (a resumed run starts
+        after its checkpoint). The gate stays closed until ``resume``."""
+        self.generator.start_step = start_step
         for stage in self.stages:
-            task = asyncio.create_task(stage.run(), name=f"{stage.name}-rank{ctx.rank}")
+            task = asyncio.create_task(stage.run(), name=f"{stage.name}-rank{self.ctx.rank}")
             self.tasks[task] = stage.name
 
     def _check_stages(self) -> None:
@@ -77,29 +88,40 @@ class Pipeline:
                     raise exc
                 raise StageError(f"stage {name} on rank {self.ctx.rank} stopped: {exc!r}") from exc
 
-    async def run_step(self, step: int) -> list[TrainSample]:
-        """Roll out one step on this rank and return its train samples once the batch is complete."""
-        self.ctx.rollout_active.set()
-        generate = asyncio.create_task(self.generator.run_step(step), name=f"generator-rank{self.ctx.rank}")
-        batch = asyncio.create_task(self.feed.wait_batch(step), name=f"batch-rank{self.ctx.rank}")
+    async def take(self, step: int, learner_version: int) -> TrainBatch:
+        """This rank's batch of ``step`` once every stage has delivered it, watching every stage task:
+        one that dies stops the wait with its name and rank."""
+        batch = asyncio.create_task(self.feed.take(step, learner_version), name=f"take-rank{self.ctx.rank}")
         try:
-            pending = {generate, batch, *self.tasks}
             while not batch.done():
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if generate in done:
-                    pending.discard(generate)
-                    if generate.exception() is not None:
-                        raise StageError(f"stage generator on rank {self.ctx.rank} failed: {generate.exception()}") from generate.exception()
+                await asyncio.wait({batch, *self.tasks}, return_when=asyncio.FIRST_COMPLETED)
                 self._check_stages()
-            await generate
             return batch.result()
         finally:
-            self.ctx.rollout_active.clear()
-            for task in (generate, batch):
-                if not task.done():
-                    task.cancel()
-                    # Its late exception (ChannelClosed at shutdown) is expected: mark it retrieved.
-                    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            if not batch.done():
+                batch.cancel()
+                batch.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def pause(self) -> None:
+        """Close the gate and wait until no generate call runs (the learner needs the devices, or the
+        evaluation needs the engine)."""
+        await self.gate.set_open(False)
+        self.ctx.rollout_active.clear()
+        wait = asyncio.create_task(self.generator.wait_idle(self.ctx.stage_timeout_s))
+        try:
+            while not wait.done():
+                await asyncio.wait({wait, *self.tasks}, return_when=asyncio.FIRST_COMPLETED)
+                self._check_stages()
+            wait.result()
+        finally:
+            if not wait.done():
+                wait.cancel()
+
+    async def resume(self, version: int) -> None:
+        """The engine generates with ``version`` now: open the gate for the steps it allows."""
+        self.ctx.rollout_active.set()
+        await self.gate.set_version(version)
+        await self.gate.set_open(True)
 
     def take_dropped(self) -> list:
         """Failed and filtered samples since the last call: (ScoredSample, tensors, status, reason)."""

@@ -20,7 +20,8 @@ class StageContext:
     accounting: Accounting
     fail_fast: bool = False
     metrics: object | None = None  # PipelineMetrics or None
-    # Set while a step's rollout is in flight; an inbox that stays empty that long is a hang only then.
+    # Set while the admission gate is open; an inbox that stays empty that long, with samples in flight,
+    # is a hang.
     rollout_active: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -42,7 +43,8 @@ class Stage:
             try:
                 item = await self.inbox.recv(timeout=self.ctx.stage_timeout_s)
             except ChannelTimeout:
-                if self.ctx.rollout_active.is_set():
+                # a hang only while the gate is open and samples are in flight somewhere
+                if self.ctx.rollout_active.is_set() and self.ctx.accounting.in_flight > 0:
                     raise StageError(
                         f"stage {self.name} on rank {self.ctx.rank}: no input for "
                         f"{self.ctx.stage_timeout_s:.0f}s during a rollout (rollout.stage_timeout_s); "
