@@ -135,7 +135,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dic
             return r
         return wrapper
 
-    run.pipeline.run_step = timed_async(run.pipeline.run_step, "rollout")
+    run.pipeline.take = timed_async(run.pipeline.take, "rollout")  # waiting for the step's batch
     run.actor.train_step = timed(run.actor.train_step, "train")
 
     async def main():

@@ -84,7 +84,7 @@ def test_phase_switches_follow_the_colocated_sequence(arith_dir, tmp_path):
 
     asyncio.run(run_loop(run))
     to_rollout = ["offload", "weight_push", "unshard", "wake"]
-    to_train = ["decide", "sleep", "reshard", "reload"]
+    to_train = ["decide", "drain", "sleep", "reshard", "reload"]
     assert run.phase.events == to_rollout + (to_train + to_rollout) * 2
     assert run.engine.policy_version == 2
     for part in ("sleep", "wake", "weight_push", "rollout_to_train", "train_to_rollout"):
