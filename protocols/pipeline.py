@@ -132,3 +132,8 @@ class Control(Message, kw_only=True):
     reason: str = ""  # group_done: "kept" or "filtered:<why>"; stop: why
     tensors: list[TensorSpec] = []
     group_id: str = ""  # group_done: which group
+    # end_of_step from an engine process (rollout.placement=async), on its copy to learner rank 0: what the
+    # engine settled itself since its last report ("admitted", "generated_tokens", "filtered/<reason>",
+    # "failed/<reason>") and when it was generating (wall-clock [start, end, start, end, ...] seconds)
+    counts: dict[str, int] = {}
+    busy: list[float] = []

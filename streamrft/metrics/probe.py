@@ -30,8 +30,7 @@ def probe_pipeline(metrics, pipeline, accounting) -> None:
     in_flight{stage="pipeline"} = admitted - (trained + filtered + failed), the samples anywhere in
     the pipeline.
     """
-    stages = [pipeline.generator, *pipeline.stages] if pipeline.generator is not None else []
-    for stage in stages:
+    for stage in pipeline.stages:
         inbox, outbox = getattr(stage, "inbox", None), getattr(stage, "outbox", None)
         if inbox is not None:
             metrics.queue_depth.labels(stage=stage.name).set(inbox.qsize())

@@ -19,6 +19,7 @@ class Accounting:
     filtered: Counter = field(default_factory=Counter)  # reason -> samples
     failed: Counter = field(default_factory=Counter)  # reason -> samples
     refilled_prompts: int = 0
+    handed_off: int = 0  # async engine processes: samples sent on to a learner rank (it trains or drops them)
     metrics: object | None = None  # PipelineMetrics, when exported
     # Per planned step: samples admitted and not yet settled. Steps overlap when rollout.max_staleness > 0
     # (the next step's groups are generated while this one trains), so the end-of-step check is per step.
@@ -63,9 +64,14 @@ class Accounting:
             if self.metrics is not None:
                 self.metrics.samples_failed.labels(reason=_short(reason)).inc(n)
 
+    def hand_off(self, n: int, step: int | None = None) -> None:
+        """An engine process settles a sample by sending it to its learner rank, which counts it again."""
+        self._open(step, -n)
+        self.handed_off += n
+
     @property
     def settled(self) -> int:
-        return self.trained + sum(self.filtered.values()) + sum(self.failed.values())
+        return self.trained + self.handed_off + sum(self.filtered.values()) + sum(self.failed.values())
 
     @property
     def in_flight(self) -> int:
@@ -83,6 +89,12 @@ class Accounting:
             )
 
 
+
+    def check_step(self, step: int) -> None:
+        """Every sample of ``step`` is settled (an engine process at the step's end_of_step)."""
+        if self.open_by_step.get(step, 0):
+            raise AccountingError(f"rank {self.rank} step {step}: {self.open_by_step[step]} samples of the step "
+                                  "are neither handed off, filtered nor failed at its end; a sample was lost")
 
     def state_dict(self) -> dict:
         """The counters, JSON-encodable (checkpoints), as if the samples in flight had never been

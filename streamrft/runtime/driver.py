@@ -74,20 +74,29 @@ def build_run(cfg: Config, dist) -> Run:
     if cfg.algorithm.kl_coef > 0:
         reference = FrozenReference(cfg.model.reference_path or cfg.model.path, cfg.model, dist)
     tokenizer = strategy.tokenizer
-    engine = build_engine(cfg.engine, strategy.module, tokenizer, dist.device, model_path=cfg.model.path)
-    if hasattr(engine, "with_config"):  # vllm / sglang: a second view of the same engine, not a second engine
-        eval_engine = engine.with_config(greedy_engine_config(cfg.engine))
+    if cfg.rollout.placement == "async":  # engine processes hold their own copies; the learner only evaluates
+        engine = eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)
     else:
-        eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)
+        engine = build_engine(cfg.engine, strategy.module, tokenizer, dist.device, model_path=cfg.model.path)
+        if hasattr(engine, "with_config"):  # vllm / sglang: a second view of the same engine, not a second engine
+            eval_engine = engine.with_config(greedy_engine_config(cfg.engine))
+        else:
+            eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)
     scorer = build_reward_scorer(cfg.reward)
     teacher = build_teacher_client(cfg.teacher, cfg.reward.timeout_s, cfg.reward.retries)
     accounting = Accounting(rank=dist.rank)
     metrics, exporter = _build_metrics(cfg, dist, accounting)
     ctx = StageContext(rank=dist.rank, stage_timeout_s=cfg.rollout.stage_timeout_s, accounting=accounting, fail_fast=cfg.fail_fast, metrics=metrics)
     run_id = uuid.uuid4().hex[:8]
-    pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, teacher, run_id=run_id)
-    phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level, push_full_weights=cfg.engine.type != "hf",
-                            offload=cfg.train.offload_between_phases, admission=pipeline)
+    if cfg.rollout.placement == "async":
+        from streamrft.runtime.async_placement import AsyncLearnerPipeline, AsyncPhase
+
+        pipeline = AsyncLearnerPipeline(cfg, ctx, dist, run_id=run_id)
+        phase = AsyncPhase(strategy, pipeline, all_reduce_sum, engine, metrics)
+    else:
+        pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, teacher, run_id=run_id)
+        phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level, push_full_weights=cfg.engine.type != "hf",
+                                offload=cfg.train.offload_between_phases, admission=pipeline)
     critic = None
     if cfg.model.critic_path:
         from streamrft.learner.critic import Critic
@@ -154,7 +163,7 @@ async def train_loop(run: Run) -> dict[str, float]:
         reset_steps_log(Path(cfg.output_dir) / "steps.jsonl", start)
     await phase.enter_rollout(version=resumed.policy_version if resumed else 0)
     if resumed is None:
-        run.checkpointer.summary_before = {f"{k}_before": v for k, v in (await _evaluate(run)).items()}
+        run.checkpointer.summary_before = {f"{k}_before": v for k, v in (await _evaluate_held(run)).items()}
     summary = dict(run.checkpointer.summary_before)
     resumed_from = f"resumed from {resumed.path} at step {start}; " if resumed else ""
     _announce(run, f"{resumed_from}heldout before: {summary}")
@@ -169,7 +178,7 @@ async def train_loop(run: Run) -> dict[str, float]:
         stats["train_seconds"] = time.perf_counter() - train_started
         run.accounting.train(len(batch), step=step)
         run.accounting.check(step)
-        run.pipeline.generator.forget_through(step)
+        run.pipeline.step_trained(step)
         run.checkpointer.step_done(step + 1, policy_version=step + 1)  # saves every checkpoint.save_every steps
         await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake, open the gate
         _step_stats(run, batch, stats, step_started)
@@ -178,12 +187,21 @@ async def train_loop(run: Run) -> dict[str, float]:
         if run.stop_requested:
             raise asyncio.CancelledError  # a signal arrived while the step trained: it is complete now
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and step + 1 < cfg.train.max_steps:
-            _announce(run, f"step {step + 1}: {await _evaluate(run)}", progress)
+            _announce(run, f"step {step + 1}: {await _evaluate_held(run)}", progress)
     progress.close()
-    summary.update({f"{k}_after": v for k, v in (await _evaluate(run)).items()})
+    summary.update({f"{k}_after": v for k, v in (await _evaluate_held(run)).items()})
     summary.update(steps=cfg.train.max_steps, seconds=time.perf_counter() - started)
     summary.update(run.accounting.summary())
+    if cfg.rollout.placement == "async" and run.dist.rank == 0:
+        summary.update({f"async_{k}": v for k, v in phase.overlap_report().items()})
     return summary
+
+
+async def _evaluate_held(run: Run) -> dict[str, float]:
+    """The held-out evaluation with admission held (colocated: it runs on the same module as the
+    rollout engine, and two forwards must not interleave on an FSDP module)."""
+    async with run.pipeline.hold():
+        return await _evaluate(run)
 
 
 async def _train_off_loop(run: Run, batch) -> dict[str, float]:
@@ -210,7 +228,8 @@ def _step_stats(run: Run, batch, stats: dict[str, float], step_started: float) -
     stats["versions_behind_mean"] = total / max(n, 1.0)
     stats["versions_behind_max"] = float(all_reduce_max(torch.tensor([float(max(behind, default=0))]), stage="versions_behind").item())
     stats["step_seconds"] = seconds = max(time.perf_counter() - step_started, 1e-9)
-    local = [float(run.pipeline.generator.generated_tokens), float(sum(len(s.prompt_ids) + len(s.response_ids) for s in batch))]
+    generated_here = run.pipeline.take_generated_tokens()
+    local = [float(generated_here), float(sum(len(s.prompt_ids) + len(s.response_ids) for s in batch))]
     generated, processed = run.actor.all_reduce_sum(torch.tensor(local)).tolist()
     stats["generated_tokens_per_s"] = generated / seconds
     stats["trained_tokens_per_s"] = stats.get("train_tokens", 0.0) / seconds
@@ -218,10 +237,9 @@ def _step_stats(run: Run, batch, stats: dict[str, float], step_started: float) -
     if run.cfg.metrics.peak_flops > 0:
         stats["mfu"] = mfu(stats["train_flops"], stats["train_seconds"], run.cfg.metrics.peak_flops, run.dist.world_size)
     if run.metrics is not None:
-        run.metrics.generated_tokens.inc(run.pipeline.generator.generated_tokens)
+        run.metrics.generated_tokens.inc(generated_here)
         run.metrics.trained_tokens.inc(sum(len(s.response_ids) for s in batch))
         run.metrics.policy_version.set(run.engine.policy_version)
-    run.pipeline.generator.generated_tokens = 0
 
 
 def _progress(run: Run, total: int, desc: str):
@@ -234,7 +252,7 @@ def _progress(run: Run, total: int, desc: str):
 
 def _stateful(run: Run) -> dict:
     """Per-rank state a checkpoint keeps beyond the models (see streamrft/checkpoint/manager.py)."""
-    objects = {"generator": run.pipeline.generator, "kl_ctl": run.actor.kl_ctl}
+    objects = {**run.pipeline.stateful(), "kl_ctl": run.actor.kl_ctl}
     if run.actor.reward_norm is not None:
         objects["reward_norm"] = run.actor.reward_norm
     return objects
@@ -250,7 +268,7 @@ async def _evaluate(run: Run) -> dict[str, float]:
     with _progress(run, n, "heldout eval") as progress:  # evaluate() is one batched call: the bar moves once
         result = await evaluate(run.eval_engine, run.strategy.tokenizer, run.eval_dataset, run.scorer, run.dist.rank,
                                 run.dist.world_size, all_reduce_sum, run.cfg.data.eval_size,
-                                media=getattr(run.pipeline.generator, "media", None))
+                                media=run.pipeline.media_codec())
         progress.update(n, **{k: v for k, v in result.items() if isinstance(v, float)})
     return result
 

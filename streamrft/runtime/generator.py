@@ -71,6 +71,9 @@ class Generator(Stage):
         self._idle: asyncio.Future | None = None
         self._failure: asyncio.Future | None = None
         self._send_lock: asyncio.Lock | None = None
+        # wall-clock intervals with a generate call running (async placement: the overlap report)
+        self.busy: list[tuple[float, float]] = []
+        self._busy_since: float | None = None
         self.outbox = outbox
         self.engine = engine
         self.tokenizer = tokenizer
@@ -182,6 +185,9 @@ class Generator(Stage):
 
     def _on_task_done(self, task: asyncio.Task) -> None:
         self.generating.discard(task)
+        if not self.generating and self._busy_since is not None:
+            self.busy.append((self._busy_since, time.time()))
+            self._busy_since = None
         if not task.cancelled() and task.exception() is not None and not self._failure.done():
             self._failure.set_exception(task.exception())
         if not self.generating and self._idle is not None and not self._idle.done():
@@ -223,6 +229,8 @@ class Generator(Stage):
             state.pending.add(group.group_id)
             self.ctx.accounting.admit(group.n_samples, step=step)
         self.gate.admit(len(groups))
+        if not self.generating:
+            self._busy_since = time.time()
         task = asyncio.create_task(self._generate(groups), name=f"generator-batch-rank{self.ctx.rank}")
         self.generating.add(task)
         self._idle = None

@@ -15,6 +15,7 @@ A stage task that dies stops the run with the stage and rank in the message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 
 from protocols import Completion, Control, ScoredSample
@@ -117,11 +118,36 @@ class Pipeline:
             if not wait.done():
                 wait.cancel()
 
+    @contextlib.asynccontextmanager
+    async def hold(self):
+        """Admission paused (no generate call running) inside the block, reopened as it was after."""
+        was_open = self.gate.open
+        await self.pause()
+        try:
+            yield
+        finally:
+            if was_open:
+                await self.resume(self.gate.version)
+
     async def resume(self, version: int) -> None:
         """The engine generates with ``version`` now: open the gate for the steps it allows."""
         self.ctx.rollout_active.set()
         await self.gate.set_version(version)
         await self.gate.set_open(True)
+
+    def stateful(self) -> dict:
+        """Per-rank objects a checkpoint keeps (the Generator's refill counter)."""
+        return {"generator": self.generator}
+
+    def step_trained(self, step: int) -> None:
+        self.generator.forget_through(step)
+
+    def take_generated_tokens(self) -> int:
+        tokens, self.generator.generated_tokens = self.generator.generated_tokens, 0
+        return tokens
+
+    def media_codec(self):
+        return self.generator.media if self.generator is not None else None
 
     def take_dropped(self) -> list:
         """Failed and filtered samples since the last call: (ScoredSample, tensors, status, reason)."""

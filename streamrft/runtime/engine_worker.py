@@ -1,0 +1,180 @@
+"""An engine process of the async placement (``rollout.placement=async``).
+
+    python -m streamrft.runtime.engine_worker SPEC.json
+
+Learner rank 0 starts ``rollout.engine_ranks`` of these (streamrft/runtime/async_placement.py). Each
+one holds its own copy of the policy (an ``hf`` engine over a private module) and runs the rollout
+half of the pipeline for its share of every step's prompts:
+
+    Generator ─► RewardScorer ─► [TeacherFetcher] ─► AdvantageStage ─► LearnerRouter ─► learner feeds
+
+It never waits for the learner except through the admission gate: a group of step ``k`` is admitted
+once the engine holds weights of version ``>= k - rollout.max_staleness``. New versions arrive on a
+process group of their own (learner rank 0 + every engine process) in a background thread and are
+loaded between decode chunks, so rows in flight keep their tokens (each token records its version).
+
+It exits when learner rank 0 publishes the end of the run, and dies with its parent (PR_SET_PDEATHSIG),
+so a learner killed with SIGKILL leaves no engine behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import logging
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import msgspec
+import torch
+
+log = logging.getLogger("streamrft")
+
+
+def _die_with_parent() -> None:
+    """Linux: receive SIGKILL when the process that started this one dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the learner's shutdown still stops us
+        pass
+
+
+def weights_group(store, rank: int, size: int, timeout_s: float):
+    """The weights process group (learner rank 0 = rank 0, engine e = rank e + 1), gloo, standalone:
+    it is not the torchrun world (engines are not torchrun ranks)."""
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(dist.PrefixStore("streamrft-weights", store), rank, size, timedelta(seconds=timeout_s))
+
+
+async def serve(cfg, spec: dict) -> None:
+    from streamrft.data import PromptDataset
+    from streamrft.engines import build_engine
+    from streamrft.learner.fsdp2 import _DTYPES, load_pretrained
+    from streamrft.rewards.scorer import build_reward_scorer
+    from streamrft.runtime.accounting import Accounting
+    from streamrft.runtime.advantage_stage import AdvantageStage
+    from streamrft.runtime.channels import ChannelReceiver, ChannelSender, channel_address
+    from streamrft.runtime.gate import AdmissionGate, max_groups_in_flight
+    from streamrft.runtime.generator import Generator
+    from streamrft.runtime.router import LearnerRouter
+    from streamrft.runtime.scoring import RewardScorerStage, TeacherFetcherStage
+    from streamrft.runtime.stage import StageContext, StageError
+    from streamrft.runtime.weight_sync import WeightSubscriber
+    from streamrft.teacher.client import build_teacher_client
+    from transformers import AutoTokenizer
+
+    import torch.distributed as dist
+
+    rank, n_engines, timeout_s = spec["engine_rank"], spec["engine_ranks"], cfg.rollout.stage_timeout_s
+    r = cfg.rollout
+    torch.manual_seed(cfg.seed)
+    store = dist.TCPStore(spec["store_host"], spec["store_port"], is_master=False, timeout=timedelta(seconds=timeout_s))
+    device = torch.device(spec.get("device", "cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    module = load_pretrained(cfg.model.path, cfg.model, _DTYPES[cfg.model.dtype] if device.type == "cuda" else torch.float32)
+    module.to(device).eval()
+    engine = build_engine(cfg.engine, module, tokenizer, device, model_path=cfg.model.path)
+    d = cfg.data
+    dataset = PromptDataset(d.train_path, d.prompt_field, d.reference_field, d.label_field)
+    scorer = build_reward_scorer(cfg.reward)
+    teacher = build_teacher_client(cfg.teacher, cfg.reward.timeout_s, cfg.reward.retries)
+    accounting = Accounting(rank=rank)
+    ctx = StageContext(rank=rank, stage_timeout_s=timeout_s, accounting=accounting, fail_fast=cfg.fail_fast)
+    gate = AdmissionGate(r.max_staleness, max_groups_in_flight(r.channel_capacity, r.n_samples_per_prompt), version=-1)
+
+    sockets = []
+
+    def link(name, message_type):
+        receiver = ChannelReceiver(channel_address("inproc", name, rank, spec["run_id"]), r.channel_capacity,
+                                   name=name, rank=rank, message_type=message_type)
+        sender = ChannelSender(receiver.address, name=name, rank=rank)
+        sockets.extend([sender, receiver])
+        return receiver, sender
+
+    from protocols import Completion, Control, ScoredSample
+
+    reward_in, to_reward = link("reward", Completion | Control)
+    advantage_in, to_advantage = link("advantage", ScoredSample | Control)
+    feedback_in, to_generator = link("generator_feedback", Control)
+    feeds = [store.get(f"feed/{i}").decode() for i in range(spec["learner_ranks"])]
+    to_learners = [ChannelSender(address, name=f"learner_feed_{i}", rank=rank) for i, address in enumerate(feeds)]
+    generator = Generator(ctx, feedback_in, to_reward, engine, tokenizer, dataset, cfg, n_engines, gate)
+    generator.start_step = spec["start_step"]
+    router = LearnerRouter(to_learners, accounting, generator, rank)
+    stages = [generator, AdvantageStage(ctx, advantage_in, router, to_generator, cfg)]
+    if teacher is None:
+        stages.append(RewardScorerStage(ctx, reward_in, to_advantage, scorer, cfg.reward.max_concurrency))
+    else:
+        teacher_in, to_teacher = link("teacher", ScoredSample | Control)
+        stages += [RewardScorerStage(ctx, reward_in, to_teacher, scorer, cfg.reward.max_concurrency),
+                   TeacherFetcherStage(ctx, teacher_in, to_advantage, teacher, cfg.reward.max_concurrency)]
+
+    loop = asyncio.get_running_loop()
+    finished = loop.create_future()  # the learner's "no more versions", or the subscriber's failure
+
+    async def load(version: int, named: list) -> None:
+        await engine.update_weights(named, version)
+        await engine.wait_version(version)  # loaded (between decode chunks when generating)
+        await gate.set_version(version)
+        if not gate.open:
+            ctx.rollout_active.set()
+            await gate.set_open(True)
+
+    def on_weights(version: int | None, named: list | None, error: BaseException | None = None) -> None:
+        """Called in the subscriber's thread for each version; None at the end of the run."""
+        if error is not None:
+            loop.call_soon_threadsafe(lambda: finished.done() or finished.set_exception(error))
+        elif version is None:
+            loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
+        else:
+            asyncio.run_coroutine_threadsafe(load(version, named), loop).result()
+
+    group = weights_group(store, rank + 1, n_engines + 1, timeout_s)
+    subscriber = WeightSubscriber(group, src_rank=0, timeout_s=spec["weights_timeout_s"], rank=rank + 1)
+    subscriber.start(on_weights)
+    store.set(f"engine_ready/{rank}", "1")
+    tasks = {asyncio.create_task(stage.run(), name=f"{stage.name}-engine{rank}"): stage.name for stage in stages}
+    try:
+        while not finished.done():
+            done, _ = await asyncio.wait({finished, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done & set(tasks):
+                exc = task.exception() if not task.cancelled() else None
+                if exc is not None:
+                    raise StageError(f"engine rank {rank}: stage {tasks[task]} failed: {exc!r}") from exc
+        finished.result()
+    finally:
+        subscriber.stop()
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks, timeout=10)
+        for sock in sockets:
+            sock.close()
+        router.close()
+        await scorer.close()
+        if teacher is not None:
+            await teacher.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _die_with_parent()
+    spec = json.loads(Path(argv[0]).read_text())
+    from streamrft.config import Config
+
+    cfg = msgspec.convert(spec["config"], Config)
+    logging.basicConfig(level=logging.WARNING, format=f"engine rank {spec['engine_rank']}: %(message)s")
+    try:
+        asyncio.run(serve(cfg, spec))
+    except Exception as exc:  # one line naming the engine rank; the learner sees the exit code
+        print(f"streamrft: engine rank {spec['engine_rank']}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
