@@ -94,8 +94,15 @@ def _schema(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(argv: list[str]) -> int:
+    from streamrft.runtime.replay import replay_main
+
+    return replay_main(argv)
+
+
 # Subcommands whose argument parsing belongs to their own module (they run without torch).
 _PASSTHROUGH = {
+    "replay": _replay,
     "serve-reward": _serve_reward,
     "serve-teacher": _serve_teacher,
     "trajectories": _trajectories,
@@ -125,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("chat", help="a quick interactive check of a model directory (see its --help)")
     sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint (see its --help)")
     sub.add_parser("trajectories", help="analyze or render trajectory files (see its --help)")
+    sub.add_parser("replay", help="re-train a run's recorded batches and check its losses bitwise (see its --help)")
     return parser
 
 

@@ -26,4 +26,5 @@ class TrainConfig(Section):
     log_every: int = 1
     compile_head: bool = True  # torch.compile the chunked LM-head log-prob/entropy (CUDA only; CPU runs eagerly)
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise resume checks
+    record_batches: bool = False  # save every step's batch under output_dir/batches/ for `streamrft replay`
     offload_between_phases: bool = True  # colocated: move optimizer state (and params) to host memory during rollout; false keeps them on the device (faster switch when memory allows)

@@ -8,7 +8,8 @@
 stop): the learner ranks run only their LearnerFeed, which completes a step when every engine sent its
 ``end_of_step``. ``AsyncPhase`` has the PhaseController's: there is no sleep/wake; ``enter_rollout``
 publishes the new version's weights (every learner rank drains the full state, a collective; rank 0
-broadcasts the buckets). Engines admit a group of step k only with weights of version >= k -
+broadcasts the buckets) and keeps the full parameters for the held-out evaluation, which runs on the
+learner's own module while the engines generate. Engines admit a group of step k only with weights of version >= k -
 rollout.max_staleness, so the learner trains step k while the engines generate steps k+1..k+S.
 
 Failure: a dead engine process (kill -9 included) fails learner rank 0 within a second, naming the
@@ -281,6 +282,7 @@ class AsyncPhase:
 
     async def enter_train(self) -> None:
         self._train_started = time.time()
+        self.strategy.reshard_after_rollout()
         self.events.append("train")
 
     async def enter_rollout(self, version: int) -> None:
@@ -292,6 +294,9 @@ class AsyncPhase:
         await asyncio.to_thread(self.pipeline.publish, version, buckets)
         await self.learner_engine.update_weights([], version)
         self.timings["weight_push"] = time.perf_counter() - started
+        # evaluation generates with the learner's module: full parameters kept, so ranks may run different
+        # numbers of forwards (as in the colocated rollout)
+        self.strategy.unshard_for_rollout()
         self.events.append("weight_push")
         if self.metrics is not None:
             self.metrics.weight_sync_seconds.observe(self.timings["weight_push"])

@@ -171,6 +171,7 @@ async def train_loop(run: Run) -> dict[str, float]:
     for step in range(start, cfg.train.max_steps):
         step_started = time.perf_counter()
         batch = await pipeline.take(step, learner_version=step)  # step k trains at learner version k
+        _record(run, batch)
         global_samples = phase.batch_ready(len(batch))  # one all-reduce decides ROLLOUT → TRAIN
         await phase.enter_train()
         train_started = time.perf_counter()
@@ -195,6 +196,20 @@ async def train_loop(run: Run) -> dict[str, float]:
     if cfg.rollout.placement == "async" and run.dist.rank == 0:
         summary.update({f"async_{k}": v for k, v in phase.overlap_report().items()})
     return summary
+
+
+def _record(run: Run, batch) -> None:
+    """What this step takes (sample ids, token versions), and with train.record_batches the whole batch."""
+    from streamrft.runtime.replay import batches_dir, record_batch, record_index
+
+    record_index(run.cfg.output_dir, run.dist.rank, batch)
+    if run.cfg.train.record_batches:
+        config = batches_dir(run.cfg.output_dir) / "config.json"
+        if run.dist.rank == 0 and not config.exists():
+            import msgspec
+
+            config.write_bytes(msgspec.json.encode(run.cfg))
+        record_batch(run.cfg.output_dir, run.dist.rank, batch)
 
 
 async def _evaluate_held(run: Run) -> dict[str, float]:
