@@ -98,3 +98,39 @@ def test_replay_of_a_recorded_run_is_bitwise(warm_arith, tmp_path):
     assert "replay: steps=5 bitwise_equal=true" in proc.stdout
     replayed = [json.loads(line) for line in (out / "replay" / "replayed_steps.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in replayed] == [r["loss"] for r in steps(out)]
+
+
+def test_kill_9_then_resume_keeps_accounting_and_trains_no_sample_twice(warm_arith, tmp_path):
+    """Staleness 1 (the next step's groups are in flight at every checkpoint): SIGKILL after step 5,
+    resume from the step-4 checkpoint. The in-flight samples were left out of the checkpoint and are
+    generated again, so the finished run trained every planned sample exactly once."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    extra = ["rollout.max_staleness=1", "checkpoint.save_every=2", "train.max_steps=8", f"sinks.jsonl={out / 'traj'}",
+             "data.eval_path="]
+    cmd = [sys.executable, "-m", "streamrft.cli", "train", CONFIG, f"model.path={warm_arith / 'sft'}",
+           f"data.train_path={warm_arith / 'train.jsonl'}", f"output_dir={out}", "metrics.progress=false",
+           *FIXTURE["overrides"], *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:
+        if line.startswith("step 5/"):
+            break
+        assert time.monotonic() < deadline
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    first = records(out)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
+    summary = json.loads(proc.stdout.split("summary: ", 1)[1].splitlines()[0])
+    assert summary["samples_admitted"] == summary["samples_trained"] == 8 * 16 * 8
+    # the lineage that reached the end: the first run's steps up to the checkpoint, then the resumed run's
+    resumed = [r for r in records(out) if r not in first]
+    lineage = [r for r in first if r["step"] < 4 and r["status"] == "trained"] + [r for r in resumed if r["status"] == "trained"]
+    ids = [r["sample_id"] for r in lineage]
+    assert len(ids) == len(set(ids)) == 8 * 16 * 8
