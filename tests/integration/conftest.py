@@ -30,6 +30,23 @@ def arith_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def warm_arith(tmp_path_factory) -> Path:
+    """The arith warm-up of 700 steps (about 20 s): the policy where rewards vary within groups, so
+    losses are not zero (the step-loop fixture tests/fixtures/step_loop_losses.json was recorded on it)."""
+    import json
+
+    sys.path.insert(0, str(REPO / "pipelines" / "arith"))
+    try:
+        from prepare import prepare
+    finally:
+        sys.path.pop(0)
+    fixture = json.loads((REPO / "tests" / "fixtures" / "step_loop_losses.json").read_text())
+    out = tmp_path_factory.mktemp("arith700")
+    prepare(str(out), **fixture["prepare"])
+    return out
+
+
 def arith_overrides(arith_dir: Path, output_dir: Path, *extra: str) -> list[str]:
     """Small, fast settings for tests (a step takes well under a second on one core)."""
     return [

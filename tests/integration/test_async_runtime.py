@@ -21,19 +21,6 @@ FIXTURE = json.loads((REPO / "tests" / "fixtures" / "step_loop_losses.json").rea
 CONFIG = str(REPO / "pipelines" / "arith" / "config.yaml")
 
 
-@pytest.fixture(scope="module")
-def warm_arith(tmp_path_factory) -> Path:
-    """The fixture's model: the arith warm-up of 700 steps (about 20 s), where rewards vary."""
-    sys.path.insert(0, str(REPO / "pipelines" / "arith"))
-    try:
-        from prepare import prepare
-    finally:
-        sys.path.pop(0)
-    out = tmp_path_factory.mktemp("arith700")
-    prepare(str(out), **FIXTURE["prepare"])
-    return out
-
-
 def train(model_dir: Path, out: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "streamrft.cli", "train", CONFIG, f"model.path={model_dir / 'sft'}",
            f"data.train_path={model_dir / 'train.jsonl'}", f"data.eval_path={model_dir / 'eval.jsonl'}",
