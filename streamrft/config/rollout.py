@@ -14,6 +14,9 @@ class RolloutConfig(Section):
     stale_policy: Literal["drop", "wait"] = "drop"  # a sample found stale at take time: drop and count it, or (wait) error
     placement: Literal["colocated", "async"] = "colocated"  # engine on the learner's devices (sleep/wake) or its own processes
     engine_ranks: int = 1  # async: engine processes (each generates its share of the prompts)
+    # async on a GPU shared with the learner (one GPU, overlapped): the share of the device's memory each engine
+    # process may allocate (torch.cuda.set_per_process_memory_fraction); 0 = no cap
+    engine_memory_fraction: float = 0.0
     channel_capacity: int = 256  # credits of each stage inbox (bounds memory; groups in flight = capacity // n_samples_per_prompt)
     stage_timeout_s: float = 600.0  # any wait longer than this is an error naming stage and rank
     channel_transport: str = "inproc"  # inproc | ipc | tcp, for the in-rank stage channels
@@ -29,6 +32,10 @@ def validate_rollout_runtime(cfg, world_size: int) -> None:
     if r.placement == "colocated" and r.engine_ranks != 1:
         raise ConfigError(f"rollout.engine_ranks={r.engine_ranks} applies to rollout.placement=async only; "
                           "colocated, every learner rank generates its own share")
+    if not 0.0 <= r.engine_memory_fraction < 1.0:
+        raise ConfigError(f"rollout.engine_memory_fraction={r.engine_memory_fraction} must be in [0, 1)")
+    if r.engine_memory_fraction and r.placement != "async":
+        raise ConfigError("rollout.engine_memory_fraction applies to rollout.placement=async only")
     if r.placement == "async":
         if cfg.engine.type != "hf":
             raise ConfigError(f"rollout.placement=async runs engine.type=hf engine processes; engine.type="

@@ -74,7 +74,12 @@ async def serve(cfg, spec: dict) -> None:
     r = cfg.rollout
     torch.manual_seed(cfg.seed)
     store = dist.TCPStore(spec["store_host"], spec["store_port"], is_master=False, timeout=timedelta(seconds=timeout_s))
-    device = torch.device(spec.get("device", "cpu"))
+    device = torch.device(spec["device"])
+    if r.engine_memory_fraction:
+        if device.type != "cuda":
+            raise ValueError(f"rollout.engine_memory_fraction={r.engine_memory_fraction} needs a CUDA device; the "
+                             f"engine process runs on {device}: set it to 0")
+        torch.cuda.set_per_process_memory_fraction(r.engine_memory_fraction, device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     module = load_pretrained(cfg.model.path, cfg.model, _DTYPES[cfg.model.dtype] if device.type == "cuda" else torch.float32)
     module.to(device).eval()
