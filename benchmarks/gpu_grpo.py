@@ -81,7 +81,8 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dic
     from streamrft.config import load_config, validate_config
     from streamrft.engines.base import GenerationRequest
     from streamrft.runtime.distributed import init_distributed
-    from streamrft.runtime.driver import _shutdown, build_run, train_loop
+    from streamrft.compose import build_run
+    from streamrft.runtime.driver import _shutdown, train_loop
 
     cuda = torch.cuda.is_available()
     tag = "streamrft" if fast else "eager"

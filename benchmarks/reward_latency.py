@@ -41,7 +41,7 @@ def start_service(fn: str, port: int) -> subprocess.Popen:
 
 def run(arith: dict, fn: str, steps: int, prompts: int, out: Path) -> float:
     from streamrft.config import load_config
-    from streamrft.runtime.driver import train
+    from streamrft.compose import train
 
     port = free_port()
     service = start_service(fn, port)

@@ -19,7 +19,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"streamrft: {args.config} is valid for world_size={world_size}")
         return 0
-    from streamrft.runtime.driver import train
+    from streamrft.compose import train
 
     summary = train(cfg)
     if _env_rank() == 0:
@@ -95,7 +95,7 @@ def _schema(_args: argparse.Namespace) -> int:
 
 
 def _replay(argv: list[str]) -> int:
-    from streamrft.runtime.replay import replay_main
+    from streamrft.replay_command import replay_main
 
     return replay_main(argv)
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(HERE))
 from prepare import prepare_from_config  # noqa: E402  (pipelines are scripts, not a package)
 
 from streamrft.config import load_config  # noqa: E402
-from streamrft.runtime.driver import train  # noqa: E402
+from streamrft.compose import train  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

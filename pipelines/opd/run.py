@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipelines.opd.prepare import prepare  # noqa: E402
 from streamrft.config import load_config  # noqa: E402
-from streamrft.runtime.driver import train  # noqa: E402
+from streamrft.compose import train  # noqa: E402
 
 
 def start_teacher(model_dir: str, address: str) -> subprocess.Popen:

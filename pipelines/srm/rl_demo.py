@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
     from pipelines.arith.task import greedy_accuracy, read_rows
     from streamrft.config import validate_config
     from streamrft.runtime.distributed import destroy_distributed, init_distributed
-    from streamrft.runtime.driver import build_run, train_loop
+    from streamrft.compose import build_run
+    from streamrft.runtime.driver import train_loop
 
     eval_rows = read_rows(cfg.data.eval_path)
     dist = init_distributed(timeout_s=cfg.rollout.stage_timeout_s)

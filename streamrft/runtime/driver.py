@@ -1,4 +1,7 @@
-"""The per-rank driver: build the components, then run the train loop (one screen, phases named)."""
+"""The per-rank driver: the train loop over an already-built Run (one screen, phases named).
+
+Building the components (engines, learner, scorer, sinks: the composition root) lives in
+``streamrft.compose``; this module only drives them."""
 
 from __future__ import annotations
 
@@ -8,146 +11,15 @@ import logging
 import math
 import signal
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from streamrft.config import Config, validate_config
-from streamrft.runtime.accounting import Accounting
-from streamrft.runtime.stage import StageContext
 
 log = logging.getLogger("streamrft")
 
 
-@dataclass
-class Run:
-    """Everything one rank needs for a training run."""
-
-    cfg: Config
-    dist: object
-    strategy: object
-    reference: object
-    engine: object
-    eval_engine: object
-    scorer: object
-    dataset: object
-    eval_dataset: object
-    pipeline: object
-    phase: object
-    actor: object
-    accounting: Accounting
-    metrics: object = None
-    loggers: list = field(default_factory=list)
-    sinks: list = field(default_factory=list)
-    exporter: object = None
-    run_id: str = ""
-    checkpointer: object = None
-    trainable_params: int = 0  # N of the 6·N·tokens FLOPs estimate
-    training: bool = False  # a train step runs in its worker thread
-    stop_requested: str = ""  # the signal received while training (the loop stops after the step)
-
-
-def build_run(cfg: Config, dist) -> Run:
-    """Create model, engine, stages and channels for this rank (config already validated)."""
-    from streamrft.checkpoint import Checkpointer, set_deterministic
-    from streamrft.data import PromptDataset
-    from streamrft.engines import build_engine
-    from streamrft.learner import build_strategy
-    from streamrft.learner.actor import ActorUpdate
-    from streamrft.learner.reference import FrozenReference
-    from streamrft.rewards.scorer import build_reward_scorer
-    from streamrft.runtime.distributed import all_reduce_sum
-    from streamrft.runtime.evaluation import greedy_engine_config
-    from streamrft.runtime.phase import PhaseController
-    from streamrft.runtime.pipeline import Pipeline
-    from streamrft.teacher.client import build_teacher_client
-
-    torch.manual_seed(cfg.seed)
-    set_deterministic(cfg.train.deterministic)
-    d = cfg.data
-    dataset = PromptDataset(d.train_path, d.prompt_field, d.reference_field, d.label_field)
-    eval_dataset = PromptDataset(d.eval_path, d.prompt_field, d.reference_field, d.label_field) if d.eval_path else None
-    strategy = build_strategy(cfg.model, cfg.train, dist, total_steps=cfg.train.max_steps)
-    reference = None
-    if cfg.algorithm.kl_coef > 0:
-        reference = FrozenReference(cfg.model.reference_path or cfg.model.path, cfg.model, dist)
-    tokenizer = strategy.tokenizer
-    if cfg.rollout.placement == "async":  # engine processes hold their own copies; the learner only evaluates
-        engine = eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)
-    else:
-        engine = build_engine(cfg.engine, strategy.module, tokenizer, dist.device, model_path=cfg.model.path)
-        if hasattr(engine, "with_config"):  # vllm / sglang: a second view of the same engine, not a second engine
-            eval_engine = engine.with_config(greedy_engine_config(cfg.engine))
-        else:
-            eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)
-    scorer = build_reward_scorer(cfg.reward)
-    teacher = build_teacher_client(cfg.teacher, cfg.reward.timeout_s, cfg.reward.retries)
-    accounting = Accounting(rank=dist.rank)
-    metrics, exporter = _build_metrics(cfg, dist, accounting)
-    ctx = StageContext(rank=dist.rank, stage_timeout_s=cfg.rollout.stage_timeout_s, accounting=accounting, fail_fast=cfg.fail_fast, metrics=metrics)
-    run_id = uuid.uuid4().hex[:8]
-    if cfg.rollout.placement == "async":
-        from streamrft.runtime.async_placement import AsyncLearnerPipeline, AsyncPhase
-
-        pipeline = AsyncLearnerPipeline(cfg, ctx, dist, run_id=run_id)
-        phase = AsyncPhase(strategy, pipeline, all_reduce_sum, engine, metrics)
-    else:
-        pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, teacher, run_id=run_id)
-        phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level, push_full_weights=cfg.engine.type != "hf",
-                                offload=cfg.train.offload_between_phases, admission=pipeline)
-    critic = None
-    if cfg.model.critic_path:
-        from streamrft.learner.critic import Critic
-
-        critic = Critic(cfg.model, cfg.train, cfg.algorithm.value_clip_eps, dist, cfg.train.max_steps)
-    actor = ActorUpdate(strategy, reference, cfg, all_reduce_sum, critic)
-    checkpointer = Checkpointer(cfg, dist, strategy, accounting, models={"critic": critic} if critic else {})
-    if metrics is not None:
-        from streamrft.metrics.probe import probe_pipeline
-
-        metrics.on_scrape(lambda: probe_pipeline(metrics, pipeline, accounting))
-    from streamrft.metrics.probe import trainable_parameters
-
-    return Run(cfg, dist, strategy, reference, engine, eval_engine, scorer, dataset, eval_dataset, pipeline, phase, actor, accounting, metrics, _build_loggers(cfg, dist), _build_sinks(cfg, dist, run_id), exporter, run_id, checkpointer, trainable_parameters(strategy.module))
-
-
-def _build_metrics(cfg, dist, accounting):
-    if cfg.metrics.peak_flops < 0 or math.isnan(cfg.metrics.peak_flops):
-        raise ValueError(f"metrics.peak_flops={cfg.metrics.peak_flops} must be >= 0 (FLOP/s of one rank; 0 = unknown)")
-    if not cfg.metrics.port:
-        return None, None
-    from streamrft.metrics.exporter import start_exporter
-    from streamrft.metrics.registry import PipelineMetrics
-
-    metrics = PipelineMetrics(rank=dist.rank)
-    accounting.metrics = metrics
-    server, port = start_exporter(metrics, cfg.metrics.host, cfg.metrics.port + dist.local_rank)
-    if dist.rank == 0:
-        print(f"streamrft: metrics on http://{cfg.metrics.host}:{port}/metrics (+ local rank on other ranks)", flush=True)
-    return metrics, server
-
-
-def _build_loggers(cfg, dist):
-    if not (cfg.metrics.tensorboard or cfg.metrics.wandb):
-        return []
-    import msgspec
-
-    from streamrft.metrics.loggers import build_loggers
-
-    return build_loggers(cfg.metrics, cfg.output_dir, dist.rank, msgspec.to_builtins(cfg))
-
-
-def _build_sinks(cfg, dist, run_id):
-    if not (cfg.sinks.jsonl or cfg.sinks.parquet or cfg.sinks.zmq_pub):
-        return []
-    from streamrft.sinks import build_sinks
-
-    return build_sinks(cfg.sinks, run_id, dist.rank)
-
-
-async def train_loop(run: Run) -> dict[str, float]:
+async def train_loop(run) -> dict[str, float]:
     """Resume or evaluate, then for each step: take the step's batch from the long-lived stages →
     decide → train (in a worker thread: the stages keep moving) → checkpoint → push weights; evaluate
     again. A resumed run skips the "before" evaluation and reports the checkpoint's."""
@@ -198,7 +70,7 @@ async def train_loop(run: Run) -> dict[str, float]:
     return summary
 
 
-def _record(run: Run, batch) -> None:
+def _record(run, batch) -> None:
     """What this step takes (sample ids, token versions), and with train.record_batches the whole batch."""
     from streamrft.runtime.replay import batches_dir, record_batch, record_index
 
@@ -212,14 +84,14 @@ def _record(run: Run, batch) -> None:
         record_batch(run.cfg.output_dir, run.dist.rank, batch)
 
 
-async def _evaluate_held(run: Run) -> dict[str, float]:
+async def _evaluate_held(run) -> dict[str, float]:
     """The held-out evaluation with admission held (colocated: it runs on the same module as the
     rollout engine, and two forwards must not interleave on an FSDP module)."""
     async with run.pipeline.hold():
         return await _evaluate(run)
 
 
-async def _train_off_loop(run: Run, batch) -> dict[str, float]:
+async def _train_off_loop(run, batch) -> dict[str, float]:
     """The train step in a worker thread, so the stages (scoring, advantages, the feed) keep moving.
     A signal that arrives meanwhile is deferred to the end of the step (``run.stop_requested``): the
     weights change inside the thread, and a checkpoint must see a whole step or none."""
@@ -230,7 +102,7 @@ async def _train_off_loop(run: Run, batch) -> dict[str, float]:
         run.training = False
 
 
-def _step_stats(run: Run, batch, stats: dict[str, float], step_started: float) -> None:
+def _step_stats(run, batch, stats: dict[str, float], step_started: float) -> None:
     """Add the driver's own per-step values (all reduced over ranks) to the learner's ``stats``:
     rewards, phase timings, throughput, MFU; count tokens on the Prometheus counters."""
     from streamrft.metrics.probe import mfu, training_flops
@@ -257,7 +129,7 @@ def _step_stats(run: Run, batch, stats: dict[str, float], step_started: float) -
         run.metrics.policy_version.set(run.engine.policy_version)
 
 
-def _progress(run: Run, total: int, desc: str):
+def _progress(run, total: int, desc: str):
     """A console progress bar on rank 0 (plain lines without a TTY); a silent one elsewhere."""
     from streamrft.metrics.progress import Progress
 
@@ -265,7 +137,7 @@ def _progress(run: Run, total: int, desc: str):
     return Progress(total, desc, log_every=max(total, 1), log_every_s=m.progress_log_every_s, enabled=m.progress and run.dist.rank == 0)
 
 
-def _stateful(run: Run) -> dict:
+def _stateful(run) -> dict:
     """Per-rank state a checkpoint keeps beyond the models (see streamrft/checkpoint/manager.py)."""
     objects = {**run.pipeline.stateful(), "kl_ctl": run.actor.kl_ctl}
     if run.actor.reward_norm is not None:
@@ -273,7 +145,7 @@ def _stateful(run: Run) -> dict:
     return objects
 
 
-async def _evaluate(run: Run) -> dict[str, float]:
+async def _evaluate(run) -> dict[str, float]:
     if run.eval_dataset is None:
         return {}
     from streamrft.runtime.distributed import all_reduce_sum
@@ -306,12 +178,12 @@ def _reward_stats(batch, all_reduce_sum, components: list[str]) -> dict[str, flo
     return out
 
 
-def _announce(run: Run, text: str, progress=None) -> None:
+def _announce(run, text: str, progress=None) -> None:
     if run.dist.rank == 0:
         progress.write(f"streamrft: {text}") if progress is not None else print(f"streamrft: {text}", flush=True)
 
 
-def _log_step(run: Run, step: int, stats: dict[str, float], progress) -> None:
+def _log_step(run, step: int, stats: dict[str, float], progress) -> None:
     if run.dist.rank == 0:
         # steps.jsonl: one line of reduced metrics per step (what tests and scripts read back).
         path = Path(run.cfg.output_dir) / "steps.jsonl"
@@ -329,7 +201,7 @@ def _log_step(run: Run, step: int, stats: dict[str, float], progress) -> None:
     progress.update(1, reward=stats.get("reward_mean", math.nan), tok_s=stats.get("generated_tokens_per_s", 0.0))
 
 
-def _write_trajectories(run: Run, step: int, batch) -> None:
+def _write_trajectories(run, step: int, batch) -> None:
     dropped = run.pipeline.take_dropped()  # taken every step so it never grows
     if not run.sinks:
         return
@@ -342,7 +214,7 @@ def _write_trajectories(run: Run, step: int, batch) -> None:
         sink.flush()  # readers see whole steps
 
 
-async def _shutdown(run: Run) -> None:
+async def _shutdown(run) -> None:
     await run.pipeline.stop()
     await run.scorer.close()
     if run.pipeline.teacher is not None:
@@ -361,20 +233,7 @@ async def _shutdown(run: Run) -> None:
             close()
 
 
-def train(cfg: Config) -> dict[str, float]:
-    """Entry point of `streamrft train`: one call per rank (torchrun starts the ranks)."""
-    from streamrft.runtime.distributed import destroy_distributed, init_distributed
-
-    dist = init_distributed(timeout_s=cfg.rollout.stage_timeout_s)
-    try:
-        validate_config(cfg, dist.world_size)
-        run = build_run(cfg, dist)
-        return asyncio.run(_run_with_signals(run))
-    finally:
-        destroy_distributed()
-
-
-async def _run_with_signals(run: Run) -> dict[str, float]:
+async def run_with_signals(run) -> dict[str, float]:
     """Ctrl-C / SIGTERM cancel the loop; sockets are closed on every exit path."""
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()

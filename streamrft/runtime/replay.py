@@ -7,14 +7,13 @@ runs), so an asynchronous run's staleness can be audited after the fact. With
 token ids, behaviour log-probs, advantages, teacher log-probs, token versions and each sample's header
 as JSON), and ``streamrft replay RUN_DIR`` trains a fresh learner (same config, same initial weights)
 on exactly those batches, in order, and checks that every step's loss and grad norm equal the recorded
-ones bitwise: the asynchronous run's nondeterminism (which samples arrived when, under which versions)
+ones bitwise (``streamrft.replay_command``): the asynchronous run's nondeterminism (which samples arrived when, under which versions)
 is all in the batches; what the learner does with them is deterministic (train.deterministic=true).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import msgspec
@@ -120,72 +119,3 @@ def compare(recorded: list[dict], replayed: list[dict], keys=("loss", "grad_norm
             if key in rec and float(rec[key]).hex() != float(rep.get(key, float("nan"))).hex():
                 diffs.append(f"step {rec['step']}: {key} recorded {rec[key]!r}, replayed {rep.get(key)!r}")
     return diffs
-
-
-def replay_run(run_dir: str | Path, out_dir: str | Path) -> list[dict]:
-    """Train a fresh learner on ``run_dir``'s recorded batches; returns the replayed per-step stats
-    (one rank per recorded rank: run under torchrun with the run's learner world size)."""
-    from streamrft.checkpoint import set_deterministic
-    from streamrft.config import Config
-    from streamrft.learner import build_strategy
-    from streamrft.learner.actor import ActorUpdate
-    from streamrft.learner.reference import FrozenReference
-    from streamrft.runtime.distributed import all_reduce_sum, init_distributed
-
-    config_path = batches_dir(run_dir) / "config.json"
-    if not config_path.exists():
-        raise ReplayError(f"{config_path} is missing: the run was not made with train.record_batches=true")
-    cfg = msgspec.json.decode(config_path.read_bytes(), type=Config)
-    cfg = msgspec.structs.replace(cfg, output_dir=str(out_dir))
-    recorded = recorded_steps(run_dir)
-    dist = init_distributed(timeout_s=cfg.rollout.stage_timeout_s)
-    torch.manual_seed(cfg.seed)
-    set_deterministic(True)
-    strategy = build_strategy(cfg.model, cfg.train, dist, total_steps=cfg.train.max_steps)
-    reference = None
-    if cfg.algorithm.kl_coef > 0:
-        reference = FrozenReference(cfg.model.reference_path or cfg.model.path, cfg.model, dist)
-    critic = None
-    if cfg.model.critic_path:
-        from streamrft.learner.critic import Critic
-
-        critic = Critic(cfg.model, cfg.train, cfg.algorithm.value_clip_eps, dist, cfg.train.max_steps)
-    actor = ActorUpdate(strategy, reference, cfg, all_reduce_sum, critic)
-    replayed = []
-    for row in recorded:
-        batch = load_batch(run_dir, dist.rank, row["step"] - 1)
-        stats = actor.train_step(batch.samples)
-        replayed.append({"step": row["step"], **stats})
-    if dist.rank == 0:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        with open(Path(out_dir) / "replayed_steps.jsonl", "w") as f:
-            for row in replayed:
-                f.write(json.dumps(row) + "\n")
-    return replayed
-
-
-def replay_main(argv: list[str]) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="streamrft replay", description=(
-        "Train a fresh learner on a run's recorded batches (train.record_batches=true) and check that every "
-        "step's loss and grad norm equal the recorded ones bitwise. Run with the run's learner world size "
-        "(torchrun for more than one rank)."))
-    parser.add_argument("run_dir", help="the recorded run's output_dir")
-    parser.add_argument("--out", default="", help="where to write replayed_steps.jsonl (default RUN_DIR/replay)")
-    args = parser.parse_args(argv)
-    from streamrft.runtime.distributed import destroy_distributed
-
-    try:
-        replayed = replay_run(args.run_dir, args.out or str(Path(args.run_dir) / "replay"))
-        diffs = compare(recorded_steps(args.run_dir), replayed)
-    except ReplayError as exc:
-        print(f"streamrft replay: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        destroy_distributed()
-    if diffs:
-        print("streamrft replay: the replay differs from the recorded run:\n  " + "\n  ".join(diffs[:20]), file=sys.stderr)
-        return 1
-    print(f"replay: steps={len(replayed)} bitwise_equal=true")
-    return 0

@@ -16,7 +16,7 @@ CONFIG = REPO / "pipelines" / "arith" / "config.yaml"
 
 
 def run(arith_dir, out, *extra):
-    from streamrft.runtime.driver import train
+    from streamrft.compose import train
 
     summary = train(load_config(CONFIG, arith_overrides(arith_dir, out, "train.max_steps=3", "data.eval_path=", *extra)))
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]

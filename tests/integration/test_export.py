@@ -28,7 +28,7 @@ def hf_logp(model, mb) -> torch.Tensor:
 
 @pytest.mark.parametrize("lora", [[], ["model.lora_rank=4", "model.lora_alpha=8"]], ids=["full", "lora_merged"])
 def test_exported_model_loads_with_transformers_and_matches_the_trained_policy(arith_dir, tmp_path, capsys, lora):
-    from streamrft.runtime.driver import train
+    from streamrft.compose import train
 
     out, exported = tmp_path / "run", tmp_path / "hf"
     cfg = load_config(CONFIG, arith_overrides(arith_dir, out, "train.max_steps=2", "algorithm.kl_coef=0.05",

@@ -43,7 +43,7 @@ def _config(vl_dir: Path, output_dir: Path, *extra: str):
 
 @pytest.mark.slow
 def test_vl_policy_trains_through_the_runtime_with_images_and_fails_the_corrupt_image_row(vl_dir, tmp_path, caplog):
-    from streamrft.runtime.driver import train
+    from streamrft.compose import train
 
     summary = train(_config(vl_dir, tmp_path / "rl"))
     steps = [json.loads(line) for line in (tmp_path / "rl" / "steps.jsonl").read_text().splitlines()]
@@ -66,7 +66,7 @@ def test_vl_policy_trains_through_the_runtime_with_images_and_fails_the_corrupt_
 
 @pytest.mark.slow
 def test_a_corrupt_image_row_stops_the_run_under_fail_fast_naming_file_row_and_field(vl_dir, tmp_path):
-    from streamrft.runtime.driver import train
+    from streamrft.compose import train
 
     with pytest.raises(Exception, match=r"train\.jsonl row 1 field 'image'.*cannot decode"):
         train(_config(vl_dir, tmp_path / "rl", "fail_fast=true", "train.max_steps=1"))

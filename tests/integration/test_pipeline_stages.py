@@ -49,7 +49,7 @@ class RecordingEngine:
 
 def build(arith_dir, out, *extra):
     from streamrft.runtime.distributed import init_distributed
-    from streamrft.runtime.driver import build_run
+    from streamrft.compose import build_run
 
     cfg = load_config(CONFIG, arith_overrides(arith_dir, out, *extra))
     dist = init_distributed()

@@ -22,7 +22,7 @@ def steps_of(output_dir: Path) -> list[dict]:
 
 
 def run_in_process(arith_dir, out, *extra):
-    from streamrft.runtime.driver import train
+    from streamrft.compose import train
 
     return train(load_config(CONFIG, arith_overrides(arith_dir, out, *extra)))
 
