@@ -31,7 +31,9 @@ class WarmupConfig(Section):
     batch_size: int = 32
 
 
-class Config(Section):
+class Config(Section, dict=True):
+    # dict=True: load_config records the keys the user wrote (file + overrides) as ``_written`` on the
+    # instance, outside the fields (see config/variants.py); a Config built in code has none.
     seed: int = 0  # seeds data order, sampling (per step, prompt, sample) and init
     output_dir: str = "runs/default"  # checkpoints, logs, metrics files
     fail_fast: bool = False  # stop the run on the first failed sample instead of counting it
@@ -113,17 +115,26 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def load_typed_config(path: str | Path | None, overrides: list[str] | None, config_type: type, what: str = "config"):
     """Read a YAML/TOML file, apply dotted overrides, type-check every key into ``config_type``
     (unknown keys fail). Shared by the training, reward-model and evaluation configs."""
+    return _load(path, overrides, config_type, what)[0]
+
+
+def _load(path, overrides, config_type: type, what: str = "config"):
     data = _read_file(Path(path)) if path else {}
     apply_overrides(data, overrides or [])
     try:
-        return msgspec.convert(data, config_type)
+        return msgspec.convert(data, config_type), data
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{path or what}: {exc}".replace("$.", "")) from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """The training config: a YAML/TOML file plus overrides, every key type-checked."""
-    return load_typed_config(path, overrides, Config)
+    """The training config: a YAML/TOML file plus overrides, every key type-checked. Remembers which
+    keys were written (``_written``), so validation can refuse settings of unselected variants."""
+    from streamrft.config.variants import written_keys
+
+    cfg, data = _load(path, overrides, Config)
+    cfg._written = frozenset(written_keys(data))
+    return cfg
 
 
 def validate_config(cfg: Config, world_size: int = 1, check_paths: bool = True) -> None:

@@ -49,7 +49,51 @@ def validate_sampling(e) -> None:
 
 
 def validate_engine(cfg) -> None:
-    validate_sampling(cfg.engine)
+    """Engine settings that no run can use (the engines check them again when built, for direct users)."""
+    e = cfg.engine
+    validate_sampling(e)
+    if e.cuda_graphs and not e.static_cache:
+        raise ConfigError("engine.cuda_graphs=true needs engine.static_cache=true (graphs replay a decode step "
+                          "over the preallocated KV cache)")
+    if e.sleep_level not in (1, 2):
+        raise ConfigError(f"engine.sleep_level={e.sleep_level} must be 1 (free the KV cache) or 2 (also release weights)")
+    if e.sync_every < 1:
+        raise ConfigError(f"engine.sync_every={e.sync_every} must be >= 1")
+    if e.request_timeout_s <= 0:
+        raise ConfigError(f"engine.request_timeout_s={e.request_timeout_s} must be > 0")
+    if e.type == "vllm":
+        if e.first_token_temperature > 0:
+            raise ConfigError(f"engine.first_token_temperature={e.first_token_temperature} is not supported by "
+                              "engine.type=vllm (no per-step temperature); set it to 0 or use engine.type=hf")
+        if e.tensor_parallel_size < 1:
+            raise ConfigError(f"engine.tensor_parallel_size={e.tensor_parallel_size} must be >= 1")
+        if not 0.0 < e.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"engine.gpu_memory_utilization={e.gpu_memory_utilization} must be in (0, 1]")
+        if e.kv_cache_memory_bytes < 0 or e.max_model_len < 0:
+            raise ConfigError("engine.kv_cache_memory_bytes and engine.max_model_len must be >= 0 (0 = derive)")
+    if e.type == "sglang":
+        if not e.address.startswith(("http://", "https://")):
+            raise ConfigError(f"engine.address={e.address!r}: engine.type=sglang is a client of a running SGLang "
+                              "server; set engine.address to its URL, e.g. http://127.0.0.1:30000")
+        if e.top_k > 1 or e.top_p < 1.0:
+            raise ConfigError(f"engine.top_k={e.top_k}, engine.top_p={e.top_p}: SGLang reports log-probs before "
+                              "top-k/top-p truncation; set engine.top_k=0 (or 1 for greedy) and engine.top_p=1")
+        if e.weight_group_server_ranks < 1:
+            raise ConfigError(f"engine.weight_group_server_ranks={e.weight_group_server_ranks} must be >= 1")
+    if e.type == "vllm" and e.address and not e.address.startswith(("http://", "https://")):
+        raise ConfigError(f"engine.address={e.address!r} must be a vLLM server URL (http://host:port) or empty "
+                          "(vLLM in process)")
+
+
+def validate_engine_packages(cfg) -> None:
+    """An engine that runs in this process needs its package installed (found without importing it)."""
+    import importlib.util
+
+    e = cfg.engine
+    if e.type == "vllm" and not e.address and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("engine.type=vllm runs vLLM in this process, but the vllm package is not installed; "
+                          "install the extra (pip install 'streamrft[vllm]', see docs/engines.md) or set "
+                          "engine.address to a running vLLM server")
 
 
 def validate_train(cfg) -> None:
@@ -92,11 +136,14 @@ def validate_data(cfg) -> None:
 
 
 def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:
-    """Settings first (they need nothing on disk), then files (model, data, reward models)."""
+    """Settings first (they need nothing on disk), then files and packages (model, data, reward
+    models and custom reward functions, the engine's package)."""
     from streamrft.algorithms.validate import validate_algorithm
     from streamrft.config.checkpoint import validate_checkpoint
     from streamrft.learner.lora import validate_lora
     from streamrft.rewards.validate import validate_reward, validate_reward_paths
+
+    from streamrft.config.variants import validate_variants
 
     validate_rollout(cfg, world_size)
     validate_engine(cfg)
@@ -115,7 +162,28 @@ def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:
         raise ConfigError(f"train.critic_lr={cfg.train.critic_lr} must be > 0")
     validate_algorithm(cfg)
     validate_reward(cfg)
+    # After the value checks, whose messages are more specific (engine_ranks=0 must be >= 1).
+    validate_variants(cfg, getattr(cfg, "_written", None))
     if check_paths:
+        validate_engine_packages(cfg)
         validate_model(cfg)
         validate_data(cfg)
         validate_reward_paths(cfg)
+        validate_reward_functions(cfg)
+
+
+def validate_reward_functions(cfg) -> None:
+    """Import each custom reward function's module or file and look its name up now, not after the
+    model is loaded (the import runs the module's top-level code, as the scorer's would)."""
+    from streamrft.rewards.custom import load_reward_function
+
+    for i, src in enumerate(cfg.reward.sources):
+        if src.type != "custom":
+            continue
+        try:
+            load_reward_function(src.fn)
+        except ValueError as exc:  # malformed spec, missing module or file, missing name
+            raise ConfigError(f"reward.sources[{i}] ({src.name!r}): {exc}") from None
+        except Exception as exc:  # the module's own code failed while importing: as fatal as a missing name
+            raise ConfigError(f"reward.sources[{i}] ({src.name!r}): importing {src.fn.rpartition(':')[0]} for "
+                              f"{src.fn!r} failed: {type(exc).__name__}: {exc}") from None
