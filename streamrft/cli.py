@@ -149,12 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from streamrft.config import ConfigError
     from streamrft.data import DataError
+    from streamrft.runtime.failure_policy import FailurePolicyError
 
     try:
         return args.func(args)
     except (ConfigError, DataError) as exc:
         print(f"streamrft: error: {exc}", file=sys.stderr)
         return 2
+    except FailurePolicyError as exc:  # too many samples failed: the cause, not a traceback
+        print(f"streamrft: error: {exc}", file=sys.stderr, flush=True)
+        return 3
     except KeyboardInterrupt as exc:
         print(str(exc) or "streamrft: interrupted", file=sys.stderr)
         return 130

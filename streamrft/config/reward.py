@@ -19,5 +19,8 @@ class RewardSourceConfig(Section):
 class RewardConfig(Section):
     sources: list[RewardSourceConfig] = []  # reward sources; empty is an error unless teacher.mode=pure distillation
     timeout_s: float = 30.0  # per request (remote) or per batch call (local sources)
-    max_concurrency: int = 16  # requests in flight to one remote source
+    max_concurrency: int = 16  # calls in flight to one source: remote requests, or worker threads of a sync function
     retries: int = 3  # retries of a timed-out or failed remote request (same request id)
+    # Failure policy (streamrft/runtime/failure_policy.py): stop the run when, in one train step, a source fails
+    # more than this fraction of the samples it scored, or when a step trains no sample; 1.0 = never stop.
+    max_failed_fraction: float = 0.5

@@ -14,8 +14,11 @@ Two shapes of function are accepted, sync or ``async def``:
 
 :class:`RewardFunction` wraps either shape behind ``async score(items) -> list[float | Exception]``:
 a per-sample function that raises fails that sample only; a batched one that raises, or returns the
-wrong number of values, fails the whole batch. Sync functions run in a worker thread so the event
-loop and the other reward sources keep going.
+wrong number of values, fails the whole batch. Sync functions run in the function's own bounded pool
+of daemon threads (:class:`streamrft.rewards.bounded.BoundedExecutor`, ``max_workers`` =
+``reward.max_concurrency``), never in the event loop's default executor that the hf engine uses: a
+call that never returns fails its sample at the caller's deadline and blocks neither the engine nor
+shutdown.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from protocols import RewardItem
+from streamrft.rewards.bounded import BoundedExecutor
 
 
 class BatchRewardError(RuntimeError):
@@ -103,18 +107,24 @@ def _accepted_keywords(fn: Callable[..., Any], names: Sequence[str]) -> set[str]
 class RewardFunction:
     """One reward function (rule or custom) behind ``async score(items) -> list[float | Exception]``."""
 
-    def __init__(self, fn: Callable[..., Any], name: str) -> None:
+    def __init__(self, fn: Callable[..., Any], name: str, max_workers: int = 16) -> None:
         self.fn = fn
         self.name = name
         self.is_batched = bool(getattr(fn, "batched", False))
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
         kw_names = ("prompts", "labels", "images") if self.is_batched else ("prompt", "label", "images")
         self._keywords = _accepted_keywords(fn, kw_names)
+        self.executor = None if self.is_async else BoundedExecutor(f"reward-{name}", max_workers)
 
     async def _call(self, *args: Any, **kwargs: Any) -> Any:
-        if self.is_async:
+        if self.executor is None:
             return await self.fn(*args, **kwargs)
-        return await asyncio.to_thread(self.fn, *args, **kwargs)
+        return await self.executor.run(self.fn, *args, **kwargs)
+
+    def close(self) -> None:
+        """Release the worker threads; a call still running in user code is abandoned, not joined."""
+        if self.executor is not None:
+            self.executor.close()
 
     async def score(self, items: Sequence[RewardItem]) -> list[float | Exception]:
         if self.is_batched:

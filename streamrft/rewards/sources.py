@@ -25,7 +25,8 @@ class RewardBackend(Protocol):
 
 
 class LocalFunctionBackend:
-    """A rule or custom function run in this process (sync functions in worker threads)."""
+    """A rule or custom function run in this process (sync functions in the function's own bounded
+    thread pool, see streamrft/rewards/bounded.py)."""
 
     def __init__(self, fn: RewardFunction) -> None:
         self.fn = fn
@@ -34,7 +35,7 @@ class LocalFunctionBackend:
         return await self.fn.score(items)
 
     async def close(self) -> None:
-        return None
+        self.fn.close()  # never joins a call hung in user code
 
 
 def resolve_reward_function(spec: str) -> RewardFunction:
@@ -56,7 +57,7 @@ def resolve_reward_function(spec: str) -> RewardFunction:
 def _build_rule(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBackend, float]:
     if src.fn not in RULES:
         raise ConfigError(f"reward source {src.name!r}: fn={src.fn!r} is not a rule; choose one of {sorted(RULES)}")
-    return LocalFunctionBackend(RewardFunction(RULES[src.fn], name=src.fn)), cfg.timeout_s
+    return LocalFunctionBackend(RewardFunction(RULES[src.fn], name=src.fn, max_workers=cfg.max_concurrency)), cfg.timeout_s
 
 
 def _build_custom(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBackend, float]:
@@ -64,7 +65,7 @@ def _build_custom(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBac
         fn = load_reward_function(src.fn)
     except ValueError as exc:
         raise ConfigError(f"reward source {src.name!r} (reward.sources[*].fn): {exc}") from None
-    return LocalFunctionBackend(RewardFunction(fn, name=src.fn)), cfg.timeout_s
+    return LocalFunctionBackend(RewardFunction(fn, name=src.fn, max_workers=cfg.max_concurrency)), cfg.timeout_s
 
 
 def _build_remote(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBackend, float]:

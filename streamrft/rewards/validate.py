@@ -25,6 +25,11 @@ def validate_reward(cfg) -> None:
         raise ConfigError(f"reward.max_concurrency={r.max_concurrency} must be >= 1")
     if r.retries < 0:
         raise ConfigError(f"reward.retries={r.retries} must be >= 0 (0 = no retry)")
+    if not 0.0 <= r.max_failed_fraction <= 1.0:  # also rejects NaN
+        raise ConfigError(
+            f"reward.max_failed_fraction={r.max_failed_fraction} must be in [0, 1] (the fraction of a step's samples a "
+            "reward source may fail before the run stops; 1.0 = never stop)"
+        )
     if not r.sources:
         if cfg.teacher.type != "none" and cfg.teacher.mode == "pure":
             return

@@ -24,6 +24,9 @@ class Accounting:
     # Per planned step: samples admitted and not yet settled. Steps overlap when rollout.max_staleness > 0
     # (the next step's groups are generated while this one trains), so the end-of-step check is per step.
     open_by_step: Counter = field(default_factory=Counter)
+    # Per planned step, until the failure policy takes it (take_step_failures): failed samples by kind and
+    # the first full reason of each kind, for the console line and the stop message.
+    step_failures: dict = field(default_factory=dict)  # step -> (Counter kind -> n, {kind: first reason})
 
     def _open(self, step: int | None, n: int) -> None:
         if step is not None:
@@ -59,6 +62,10 @@ class Accounting:
 
     def fail(self, reason: str, n: int = 1, step: int | None = None) -> None:
         self._open(step, -n)
+        if step is not None:
+            counts, first = self.step_failures.setdefault(step, (Counter(), {}))
+            counts[_short(reason)] += n
+            first.setdefault(_short(reason), reason)
         with self._together():
             self.failed[_short(reason)] += n
             if self.metrics is not None:
@@ -89,6 +96,14 @@ class Accounting:
             )
 
 
+
+    def take_step_failures(self, step: int) -> tuple[Counter, dict[str, str]]:
+        """Failed samples of ``step`` by kind and the first reason of each kind; forgotten here (earlier
+        steps too, so this stays bounded)."""
+        out = self.step_failures.pop(step, (Counter(), {}))
+        for old in [s for s in self.step_failures if s < step]:
+            del self.step_failures[old]
+        return out
 
     def check_step(self, step: int) -> None:
         """Every sample of ``step`` is settled (an engine process at the step's end_of_step)."""

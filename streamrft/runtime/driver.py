@@ -51,6 +51,7 @@ async def train_loop(run) -> dict[str, float]:
         stats["train_seconds"] = time.perf_counter() - train_started
         run.accounting.train(len(batch), step=step)
         run.accounting.check(step)
+        _check_failures(run, step, batch, progress)  # failed counts printed; too many stop the run
         run.pipeline.step_trained(step)
         run.checkpointer.step_done(step + 1, policy_version=step + 1)  # saves every checkpoint.save_every steps
         await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake, open the gate
@@ -100,6 +101,26 @@ async def _train_off_loop(run, batch) -> dict[str, float]:
         return await asyncio.to_thread(run.actor.train_step, batch.samples)
     finally:
         run.training = False
+
+
+def _check_failures(run, step: int, batch, progress) -> None:
+    """The failure policy (streamrft/runtime/failure_policy.py) on the step's all-reduced counts: rank 0
+    prints the failed samples by kind; a source over reward.max_failed_fraction, or a step that trained
+    nothing, raises FailurePolicyError on every rank alike."""
+    from streamrft.runtime.failure_policy import FailurePolicyError, check_step
+
+    failed, firsts = run.accounting.take_step_failures(step)
+    take = getattr(run.scorer, "take_step", None)
+    sources = take(step) if take is not None else {}
+
+    def reduce(values):
+        return run.actor.all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
+
+    line, error = check_step(step + 1, run.cfg.reward.max_failed_fraction, len(batch), failed, firsts, sources, reduce)
+    if line:
+        _announce(run, line, progress)
+    if error:
+        raise FailurePolicyError(f"rank {run.dist.rank}: {error}")
 
 
 def _step_stats(run, batch, stats: dict[str, float], step_started: float) -> None:

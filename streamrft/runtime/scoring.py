@@ -115,7 +115,7 @@ class RewardScorerStage(_ConcurrentStage):
             label=completion.label,
             images=_images_of(completion),
         )
-        (outcome,) = await self.scorer.score([item])
+        (outcome,) = await self.scorer.score([item], step=completion.step)  # tallied for the failure policy
         error = outcome.error
         if not error and not math.isfinite(outcome.reward):
             error = f"non-finite reward {outcome.reward}"
