@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from protocols import ProtocolError, ProtocolVersionError, RewardItem, RewardReply, RewardRequest, decode, encode
+from protocols.base import check_frame
 
 
 class RemoteRewardError(RuntimeError):
@@ -51,8 +52,9 @@ class _IdProbe(msgspec.Struct, forbid_unknown_fields=False):
 def peek_request_id(data: bytes) -> str:
     """The request_id of a frame that may not decode as our protocol version ("" when unreadable)."""
     try:
+        check_frame(data, max_bytes=len(data))  # depth first: msgspec skips unknown fields recursively
         return msgspec.msgpack.decode(data, type=_IdProbe).request_id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except Exception:  # ProtocolError, DecodeError, ValidationError: whatever the bytes, no id
         return ""
 
 

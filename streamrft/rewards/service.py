@@ -15,17 +15,35 @@ Workers: ``--workers N`` scoring threads. At most N requests are scored at once,
 run on a pool of N threads (async functions run on the event loop). Threads share the GIL: for a
 CPU-heavy pure-Python function, run several services on different ports instead.
 
-Idempotency: replies are cached by request_id (the newest ``CACHE_SIZE``); a retried id is answered
-from the cache, and an id that arrives while its first copy is still being scored waits for that
-result. Nothing is scored twice within one service lifetime. The cache lives in memory, so after a
-restart a retried request is scored again (at-least-once across restarts).
+Bounds (every one a flag; a request past one gets an error reply, never a hang):
+- ``--max-message-bytes`` (16 MiB): the largest request frame / HTTP body; ZeroMQ drops a frame over
+  twice that before it is read (the sender's connection is reset, its request times out).
+- ``--max-items`` (4096): samples per request.
+- ``--max-queued`` (256) and ``--max-queued-bytes`` (256 MiB): requests received and not yet answered;
+  past either the reply is ``busy: ...`` (HTTP 503) at once, so memory stays bounded.
+- ``--score-timeout-s`` (60): a request whose function has not returned by then is answered
+  ``scoring timed out ...`` (HTTP 504). A sync function stuck in its thread keeps that thread, but a
+  fresh one takes its place, so other clients go on; at most ``3 * workers`` stuck threads are kept,
+  after which requests are answered with that error at once. Stuck threads never delay exit.
+- ``--http-timeout-s`` (30): an HTTP client that does not send its headers and body within it is
+  disconnected (HTTP 408 when it sent headers); at most ``--max-queued`` HTTP connections are served
+  at once (more get 503), with a listen backlog of 128.
+
+Idempotency: replies are cached by (request_id, hash of the items), the newest ones within
+``--cache-bytes`` (64 MiB); a retried request is answered from the cache, and one that arrives while
+its first copy is still being scored waits for that result. Nothing is scored twice within one
+service lifetime; an id reused for different items is scored as the new request it is. The cache lives
+in memory, so after a restart a retried request is scored again (at-least-once across restarts).
 
 HTTP (``--http host:port``): POST any path with JSON ``{"queries": [...], "prompts": [...],
 "references": [...], "labels": [...], "request_id": "..."}`` and get ``{"rewards": [...]}``.
 ``queries`` are prompt + response texts (the OpenRLHF convention); when ``prompts[i]`` is a prefix
 of ``queries[i]`` the response is the rest, otherwise the whole query is the response. ``prompts``,
-``references``, ``labels`` and ``request_id`` are optional. A sample whose function failed gets
-``null``; a request that failed as a whole gets HTTP 400/500 with ``{"error": "..."}``.
+``labels`` and ``request_id`` are optional; ``references`` too, unless the function needs them (the
+arith, gsm8k and math rules, or a custom function with ``needs_reference = True``): then one non-empty
+string per query is required. A sample whose function failed gets ``null``; a request that failed as a
+whole gets HTTP 4xx/5xx with ``{"error": "..."}``. ``GET /health`` answers ``{"status": "ok", ...}``;
+every other GET, an unknown method or a malformed request gets a JSON error too.
 
 The service prints ``serve-reward: listening on <address>`` for each bound address, then
 ``serve-reward: ready``; launchers wait for that line. SIGTERM / SIGINT stop it cleanly.
@@ -36,16 +54,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import hashlib
 import json
 import math
+import queue
 import signal
+import socket
 import sys
 import threading
+import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -54,8 +78,122 @@ from streamrft.rewards.custom import BatchRewardError, RewardFunction
 from streamrft.rewards.remote import peek_request_id
 from streamrft.rewards.sources import resolve_reward_function
 
-CACHE_SIZE = 4096  # replies kept for retried request ids
 SHUTDOWN_GRACE_S = 5.0  # time given to requests being scored to send their replies on shutdown
+LISTEN_BACKLOG = 128  # HTTP connections the kernel queues before accept (socketserver's default is 5)
+STUCK_THREADS_PER_WORKER = 3  # sync calls past the timeout kept running (they cannot be killed) per worker
+BUSY = "busy: "  # error prefixes the HTTP mode maps to a status code
+TIMED_OUT = "scoring timed out"
+# Rules that compare with the reference; a custom function says so with ``fn.needs_reference = True``.
+REFERENCE_RULES = ("arith", "gsm8k", "math")
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """The bounds of one service (see the module docstring); the CLI flags have the same names."""
+
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_items: int = 4096
+    max_queued: int = 256
+    max_queued_bytes: int = 256 * 1024 * 1024
+    score_timeout_s: float = 60.0
+    http_timeout_s: float = 30.0
+    cache_bytes: int = 64 * 1024 * 1024
+
+    def check(self) -> None:
+        for name in ("max_message_bytes", "max_items", "max_queued", "max_queued_bytes", "cache_bytes"):
+            if getattr(self, name) < (0 if name == "cache_bytes" else 1):
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        for name in ("score_timeout_s", "http_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be > 0")
+
+
+class _ScoringThreads(concurrent.futures.ThreadPoolExecutor):
+    """The executor of the service's sync reward calls: ``workers`` daemon threads, and a new one for
+    each thread whose call has run past ``stuck_after_s``.
+
+    A Python thread cannot be killed. A ThreadPoolExecutor would keep a hung call's thread forever,
+    so two hung requests would block every client, and its shutdown (and interpreter exit) would
+    wait for them. Here a stuck thread is written off: a fresh thread serves the queue, and since all
+    threads are daemons a stuck one never delays exit. At most ``max_stuck`` are written off.
+    (A ThreadPoolExecutor subclass only because asyncio's set_default_executor insists on one: every
+    method it uses is replaced here, so none of its threads is ever started.)
+    """
+
+    def __init__(self, workers: int, stuck_after_s: float, max_stuck: int) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="unused")
+        self.workers, self.stuck_after_s, self.max_stuck = workers, stuck_after_s, max_stuck
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started: dict[threading.Thread, float | None] = {}  # thread -> start of its current call
+        self._shutdown = False
+
+    def stuck(self) -> int:
+        """Threads whose call has run past ``stuck_after_s``."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for t, s in self._started.items() if t.is_alive() and s is not None and now - s > self.stuck_after_s)
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        if self._shutdown:
+            raise RuntimeError("the scoring threads are shut down")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args, kwargs))
+        self.replace_stuck()
+        return future
+
+    def replace_stuck(self) -> None:
+        """Start threads until ``workers`` of them are not stuck (bounded by ``max_stuck``)."""
+        now = time.monotonic()
+        with self._lock:
+            for t in [t for t in self._started if not t.is_alive()]:
+                del self._started[t]
+            healthy = sum(1 for s in self._started.values() if s is None or now - s <= self.stuck_after_s)
+            while healthy < self.workers and len(self._started) < self.workers + self.max_stuck:
+                thread = threading.Thread(target=self._work, name="reward-worker", daemon=True)
+                self._started[thread] = None
+                thread.start()
+                healthy += 1
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            future, fn, args, kwargs = job
+            if not future.set_running_or_notify_cancel():
+                continue  # its request timed out while it waited
+            with self._lock:
+                self._started[me] = time.monotonic()
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # handed to the awaiting coroutine, as ThreadPoolExecutor does
+                future.set_exception(exc)
+            finally:
+                with self._lock:
+                    if me in self._started:
+                        self._started[me] = None
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Idle threads end; a thread still in a call is left to die with the process (it is a daemon)."""
+        self._shutdown = True
+        with self._lock:
+            n = len(self._started)
+        for _ in range(n):
+            self._queue.put(None)
+
+
+def _needs_reference(fn: Any) -> bool:
+    inner = getattr(fn, "fn", None)
+    if inner is not None and hasattr(inner, "needs_reference"):
+        return bool(inner.needs_reference)
+    if hasattr(fn, "needs_reference"):
+        return bool(fn.needs_reference)
+    return getattr(fn, "name", "") in REFERENCE_RULES
+
+
+_items_encoder = msgspec.msgpack.Encoder()
 
 
 def _log(msg: str) -> None:
@@ -63,36 +201,82 @@ def _log(msg: str) -> None:
 
 
 class RewardService:
-    """Scores RewardRequests with one reward function; idempotent by request_id."""
+    """Scores RewardRequests with one reward function; idempotent by (request_id, content); bounded."""
 
-    def __init__(self, fn: RewardFunction, workers: int = 1, log_requests: bool = False) -> None:
+    def __init__(self, fn: RewardFunction, workers: int = 1, log_requests: bool = False,
+                 limits: ServiceLimits | None = None, threads: _ScoringThreads | None = None) -> None:
         self.fn = fn
         self.workers = workers
         self.log_requests = log_requests
+        self.limits = limits or ServiceLimits()
+        self.threads = threads  # the executor of sync calls, when this service owns one
+        self.needs_reference = _needs_reference(fn)
         self._slots = asyncio.Semaphore(workers)
-        self._cache: OrderedDict[str, tuple[int, RewardReply]] = OrderedDict()
-        self._pending: dict[str, asyncio.Future[RewardReply]] = {}
+        self._cache: OrderedDict[tuple[str, bytes], tuple[RewardReply, int]] = OrderedDict()
+        self._cache_bytes = 0
+        self._pending: dict[tuple[str, bytes], asyncio.Future[RewardReply]] = {}
+        self._admit_lock = threading.Lock()  # admit/release come from the loop and from HTTP threads
+        self.queued = 0  # requests received and not yet answered
+        self.queued_bytes = 0
         self.n_requests = 0  # requests received (retries included)
         self.n_scored = 0  # requests actually scored
         self.n_cached = 0  # retries answered from the cache or joined to a request being scored
-        self.n_errors = 0  # error replies (bad frames, failed functions)
+        self.n_errors = 0  # error replies (bad frames, failed functions, busy, timeouts)
+        self.n_busy = 0  # requests refused because the queue was full
+        self.n_timeouts = 0  # requests whose scoring passed --score-timeout-s
         self.n_item_failures = 0  # samples whose function raised or returned a non-finite value
+
+    # --- admission: bounded queue --------------------------------------------------------------
+
+    def admit(self, nbytes: int) -> str:
+        """Count one request of ``nbytes`` as queued; "" when admitted, else the busy error message."""
+        lim = self.limits
+        with self._admit_lock:
+            if self.queued + 1 > lim.max_queued or self.queued_bytes + nbytes > lim.max_queued_bytes:
+                self.n_busy += 1
+                return (
+                    f"{BUSY}{self.queued} requests ({self.queued_bytes} bytes) are waiting to be scored; the limits "
+                    f"are --max-queued={lim.max_queued} and --max-queued-bytes={lim.max_queued_bytes}; "
+                    "retry later or start another service"
+                )
+            self.queued += 1
+            self.queued_bytes += nbytes
+            return ""
+
+    def release(self, nbytes: int) -> None:
+        with self._admit_lock:
+            self.queued -= 1
+            self.queued_bytes -= nbytes
+
+    # --- scoring ---------------------------------------------------------------------------------
+
+    def _check(self, request: RewardRequest) -> str:
+        if len(request.items) > self.limits.max_items:
+            return f"request has {len(request.items)} items, the limit is --max-items={self.limits.max_items}"
+        stuck = self.threads.stuck() if self.threads is not None else 0
+        if stuck >= self.workers * STUCK_THREADS_PER_WORKER:
+            return (f"{TIMED_OUT}: {stuck} calls of {self.fn.name} are stuck past --score-timeout-s="
+                    f"{self.limits.score_timeout_s}; the function hangs, restart the service once it is fixed")
+        return ""
 
     async def handle(self, request: RewardRequest) -> RewardReply:
         self.n_requests += 1
         rid = request.request_id
-        hit = self._cache.get(rid)
-        if hit is None and rid in self._pending:
-            self.n_cached += 1
-            return await asyncio.shield(self._pending[rid])
+        problem = self._check(request)
+        if problem:
+            return self._error(rid, problem)
+        # The key holds the content: a reused id with other items is another request, not a retry.
+        key = (rid, hashlib.blake2b(_items_encoder.encode(request.items), digest_size=16).digest())
+        hit = self._cache.get(key)
         if hit is not None:
             self.n_cached += 1
-            n_items, reply = hit
-            if n_items != len(request.items):
-                return self._error(rid, f"request id {rid!r} was already used for a batch of {n_items} items")
-            return reply
+            self._cache.move_to_end(key)
+            return hit[0]
+        if key in self._pending:
+            self.n_cached += 1
+            return await asyncio.shield(self._pending[key])
         future: asyncio.Future[RewardReply] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = future
+        self._pending[key] = future
         try:
             reply = await self._score(request)
         except asyncio.CancelledError:
@@ -101,19 +285,34 @@ class RewardService:
         except Exception as exc:  # an unexpected bug: answer with it rather than leave the peer waiting
             reply = self._error(rid, f"{type(exc).__name__}: {exc}")
         finally:
-            del self._pending[rid]
-        self._cache[rid] = (len(request.items), reply)
-        while len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+            del self._pending[key]
+        self._remember(key, reply)
         future.set_result(reply)
         return reply
 
+    def _remember(self, key: tuple[str, bytes], reply: RewardReply) -> None:
+        size = len(key[0]) + 8 * len(reply.rewards) * (1 + len(reply.components)) + len(reply.error) + 200
+        self._cache[key] = (reply, size)
+        self._cache_bytes += size
+        while self._cache_bytes > self.limits.cache_bytes and self._cache:
+            self._cache_bytes -= self._cache.popitem(last=False)[1][1]
+
     async def _score(self, request: RewardRequest) -> RewardReply:
+        timeout_s = self.limits.score_timeout_s
         async with self._slots:
             if self.log_requests:
                 _log(f"scoring request {request.request_id} ({len(request.items)} items)")
             self.n_scored += 1
-            values = await self.fn.score(request.items)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    values = await self.fn.score(request.items)
+            except TimeoutError:
+                self.n_timeouts += 1
+                if self.threads is not None:
+                    self.threads.replace_stuck()  # its thread, if any, still runs the call: bring a fresh one
+                message = f"{TIMED_OUT} after --score-timeout-s={timeout_s} ({self.fn.name}, {len(request.items)} items)"
+                _log(f"request {request.request_id}: {message}")
+                return self._error(request.request_id, message)
         if values and isinstance(values[0], BatchRewardError):  # the whole batch failed: say so once
             _log(f"request {request.request_id}: {values[0]}")
             return self._error(request.request_id, str(values[0]))
@@ -132,10 +331,23 @@ class RewardService:
         self.n_errors += 1
         return RewardReply(request_id=request_id, error=message)
 
+    def reject_frame(self, payload: bytes) -> bytes | None:
+        """The error reply for a frame refused before any decoding (too large, queue full), else None.
+        A None frame has been admitted: its answer must end with ``release(len(payload))``."""
+        limit = self.limits.max_message_bytes
+        if len(payload) > limit:
+            rid = ""  # not even peeked: reading a frame this size is what the limit prevents
+            _log(f"rejected a request of {len(payload)} bytes (--max-message-bytes={limit})")
+            return encode(self._error(rid, f"request of {len(payload)} bytes exceeds --max-message-bytes={limit}"))
+        busy = self.admit(len(payload))
+        if busy:
+            return encode(self._error(peek_request_id(payload), busy))
+        return None
+
     async def answer_frame(self, payload: bytes) -> bytes:
         """One request frame in, one reply frame out; a bad frame gets an error reply, never an exception."""
         try:
-            request = decode(payload, RewardRequest)
+            request = decode(payload, RewardRequest, max_bytes=self.limits.max_message_bytes)
         except ProtocolError as exc:  # includes ProtocolVersionError
             rid = peek_request_id(payload)
             _log(f"rejected request {rid or '?'}: {exc}")
@@ -147,13 +359,20 @@ async def _serve_router(service: RewardService, sock: zmq.asyncio.Socket, stop: 
     tasks: set[asyncio.Task] = set()
 
     async def answer(envelope: list[bytes], payload: bytes) -> None:
-        reply = await service.answer_frame(payload)
+        try:
+            reply = await service.answer_frame(payload)
+        finally:
+            service.release(len(payload))
         await sock.send_multipart([*envelope, reply])
 
     while not stop.is_set():
         if not await sock.poll(100, zmq.POLLIN):
             continue
         frames = await sock.recv_multipart()
+        refused = service.reject_frame(frames[-1])
+        if refused is not None:  # answered at once: a full queue never grows
+            await sock.send_multipart([*frames[:-1], refused])
+            continue
         task = asyncio.create_task(answer(frames[:-1], frames[-1]))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -166,8 +385,51 @@ async def _serve_router(service: RewardService, sock: zmq.asyncio.Socket, stop: 
                 _log(f"a reply could not be sent: {task.exception()!r}")
 
 
-def _http_handler(service: RewardService, loop: asyncio.AbstractEventLoop, timeout_s: float):
+def _json_bytes(status: int, body: dict) -> tuple[int, bytes]:
+    return status, json.dumps(body).encode()
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a larger backlog and at most ``max_connections`` handler threads:
+    a connection past that gets a 503 JSON reply at once instead of a thread of its own."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._connections = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+
+    def process_request(self, request, client_address) -> None:
+        if not self._connections.acquire(blocking=False):
+            body = json.dumps({"error": f"{BUSY}{self.max_connections} HTTP connections are open "
+                                        "(--max-queued); retry later"}).encode()
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connections.release()
+
+
+def _http_handler(service: RewardService, loop: asyncio.AbstractEventLoop):
+    limits = service.limits
+    # A request waits for a scoring slot behind at most max_queued others, each bounded by the timeout.
+    wait_s = limits.score_timeout_s * (1 + limits.max_queued / service.workers) + 5.0
+
     class Handler(BaseHTTPRequestHandler):
+        timeout = limits.http_timeout_s  # socket timeout of every read: a stalled client cannot hold a thread
+
         def log_message(self, fmt: str, *args: Any) -> None:  # quiet: one line per request is noise
             return None
 
@@ -179,61 +441,130 @@ def _http_handler(service: RewardService, loop: asyncio.AbstractEventLoop, timeo
             self.end_headers()
             self.wfile.write(data)
 
-        def do_POST(self) -> None:
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """Every error the stdlib answers itself (bad request line, unknown method, ...) as JSON."""
+            self.close_connection = True
             try:
-                request = _request_from_json(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                self._send(code, {"error": message or self.responses.get(code, ("error",))[0]})
+            except OSError:
+                pass
+
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0].rstrip("/") == "/health":
+                self._send(200, {"status": "ok", "fn": service.fn.name, "workers": service.workers,
+                                 "queued": service.queued, "queued_bytes": service.queued_bytes,
+                                 "requests": service.n_requests, "errors": service.n_errors,
+                                 "stuck_threads": service.threads.stuck() if service.threads else 0})
+                return
+            self._send(404, {"error": f"no route GET {self.path[:200]}; POST a JSON body to score, GET /health"})
+
+        def do_POST(self) -> None:
+            status, body = self._post()
+            self._send(status, body)
+
+        def _post(self) -> tuple[int, dict]:
+            raw_length = self.headers.get("Content-Length")
+            if raw_length is None:
+                self.close_connection = True
+                return 411, {"error": "Content-Length is required"}
+            try:
+                length = int(raw_length)
+            except ValueError:
+                length = -1
+            if length < 0:
+                self.close_connection = True
+                return 400, {"error": f"Content-Length {raw_length[:40]!r} is not a byte count"}
+            if length > limits.max_message_bytes:
+                self.close_connection = True  # the body is not read: the connection cannot be reused
+                return 413, {"error": f"body of {length} bytes exceeds --max-message-bytes={limits.max_message_bytes}"}
+            busy = service.admit(length)
+            if busy:
+                service.n_errors += 1
+                self.close_connection = True
+                return 503, {"error": busy}
+            try:
+                return self._score(length)
+            finally:
+                service.release(length)
+
+        def _score(self, length: int) -> tuple[int, dict]:
+            try:
+                raw = self.rfile.read(length)
+            except (TimeoutError, socket.timeout):
+                service.n_errors += 1
+                self.close_connection = True
+                return 408, {"error": f"body not received within --http-timeout-s={limits.http_timeout_s}"}
+            if len(raw) < length:
+                self.close_connection = True
+                return 400, {"error": f"body ended after {len(raw)} of {length} bytes (Content-Length)"}
+            try:
+                request = _request_from_json(raw, service.needs_reference, service.fn.name)
             except ValueError as exc:
                 service.n_errors += 1
-                self._send(400, {"error": str(exc)})
-                return
+                return 400, {"error": str(exc)}
             future = asyncio.run_coroutine_threadsafe(service.handle(request), loop)
             try:
-                reply = future.result(timeout=timeout_s)
+                reply = future.result(timeout=wait_s)
             except concurrent.futures.TimeoutError:
                 future.cancel()
-                self._send(504, {"error": f"scoring took longer than {timeout_s}s"})
-                return
+                return 504, {"error": f"no reply within {wait_s:.0f}s"}
+            except RuntimeError as exc:  # the loop is shutting down
+                return 503, {"error": f"the service is stopping: {exc}"}
             if reply.error:
-                self._send(500, {"error": reply.error})
-                return
-            self._send(200, {"rewards": [None if math.isnan(r) else r for r in reply.rewards]})
+                status = 503 if reply.error.startswith(BUSY) else 504 if reply.error.startswith(TIMED_OUT) else 500
+                if reply.error.startswith("request has "):
+                    status = 413
+                return status, {"error": reply.error}
+            return 200, {"rewards": [None if math.isnan(r) else r for r in reply.rewards]}
 
     return Handler
 
 
-def _request_from_json(raw: bytes) -> RewardRequest:
-    """Parse the HTTP body; ValueError names the field that is wrong."""
+def _request_from_json(raw: bytes, needs_reference: bool = False, fn_name: str = "the reward function") -> RewardRequest:
+    """Parse the HTTP body; ValueError (and nothing else, for any bytes) names the field that is wrong."""
     try:
         body = json.loads(raw)
-    except json.JSONDecodeError as exc:
+    except RecursionError:
+        raise ValueError("body is not JSON this service reads: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer too long to convert
         raise ValueError(f"body is not JSON: {exc}") from None
     if not isinstance(body, dict) or not isinstance(body.get("queries"), list):
         raise ValueError('body must be an object with "queries": a list of prompt+response strings')
     queries = body["queries"]
     n = len(queries)
+    if not all(isinstance(q, str) for q in queries):
+        raise ValueError('"queries" must hold strings')
+    if needs_reference and "references" not in body:
+        raise ValueError(f'{fn_name} compares with a reference: the body needs "references", one per query')
     fields = {}
     for key, default in (("prompts", ""), ("references", ""), ("labels", "default")):
         value = body.get(key, [default] * n)
         if not isinstance(value, list) or len(value) != n or not all(isinstance(v, str) for v in value):
             raise ValueError(f'"{key}" must be a list of {n} strings (one per query)')
         fields[key] = value
-    if not all(isinstance(q, str) for q in queries):
-        raise ValueError('"queries" must hold strings')
+    if needs_reference and not all(fields["references"]):
+        empty = fields["references"].index("")
+        raise ValueError(f'{fn_name} compares with a reference: "references"[{empty}] is empty')
     images = body.get("images", [[] for _ in range(n)])
     if not isinstance(images, list) or len(images) != n or not all(
         isinstance(v, list) and all(isinstance(b, str) for b in v) for v in images
     ):
         raise ValueError(f'"images" must be a list of {n} lists of base64 strings (one list per query)')
+    request_id = body.get("request_id") or f"http-{uuid.uuid4().hex}"
+    if not isinstance(request_id, str):
+        raise ValueError('"request_id" must be a string')
     items = []
     for i, query in enumerate(queries):
         prompt = fields["prompts"][i]
         response = query[len(prompt):] if prompt and query.startswith(prompt) else query
         items.append(RewardItem(sample_id=str(i), prompt=prompt, response=response,
                                 reference=fields["references"][i], label=fields["labels"][i], images=images[i]))
-    request_id = body.get("request_id") or f"http-{uuid.uuid4().hex}"
-    if not isinstance(request_id, str):
-        raise ValueError('"request_id" must be a string')
-    return RewardRequest(request_id=request_id, items=items)
+    request = RewardRequest(request_id=request_id, items=items)
+    try:  # JSON may spell a lone surrogate ("\\ud800"), which no UTF-8 wire (nor the cache key) can carry
+        _items_encoder.encode(request)
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"body holds a string that is not valid Unicode: {exc}") from None
+    return request
 
 
 def _parse_http(http: str) -> tuple[str, int]:
@@ -245,13 +576,17 @@ def _parse_http(http: str) -> tuple[str, int]:
 
 
 async def _serve(fn: RewardFunction, bind: str, workers: int, http: str | None, log_requests: bool,
-                 stop: asyncio.Event) -> RewardService:
+                 stop: asyncio.Event, limits: ServiceLimits) -> RewardService:
     loop = asyncio.get_running_loop()
-    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="reward-worker"))
-    service = RewardService(fn, workers, log_requests)
+    threads = _ScoringThreads(workers, limits.score_timeout_s, workers * STUCK_THREADS_PER_WORKER)
+    loop.set_default_executor(threads)
+    service = RewardService(fn, workers, log_requests, limits, threads)
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    # The hard guard behind --max-message-bytes: a frame over twice the limit is never buffered (libzmq
+    # drops the connection); one between the two is read and gets an error reply.
+    sock.setsockopt(zmq.MAXMSGSIZE, 2 * limits.max_message_bytes + 4096)
     server: ThreadingHTTPServer | None = None
     http_thread: threading.Thread | None = None
     try:
@@ -259,12 +594,11 @@ async def _serve(fn: RewardFunction, bind: str, workers: int, http: str | None, 
         _log(f"listening on {sock.getsockopt_string(zmq.LAST_ENDPOINT)}")
         if http:
             host, port = _parse_http(http)
-            server = ThreadingHTTPServer((host, port), _http_handler(service, loop, timeout_s=600.0))
-            server.daemon_threads = True
+            server = _BoundedHTTPServer((host, port), _http_handler(service, loop), limits.max_queued)
             http_thread = threading.Thread(target=server.serve_forever, name="reward-http", daemon=True)
             http_thread.start()
             _log(f"listening on http://{host}:{server.server_address[1]}")
-        _log(f"ready (fn={fn.name}, workers={workers})")
+        _log(f"ready (fn={fn.name}, workers={workers}, score_timeout_s={limits.score_timeout_s})")
         await _serve_router(service, sock, stop)
     finally:
         if server is not None:
@@ -278,10 +612,12 @@ async def _serve(fn: RewardFunction, bind: str, workers: int, http: str | None, 
 
 
 def serve_reward(fn_spec: str, bind: str = "tcp://127.0.0.1:0", workers: int = 1, http: str | None = None,
-                 log_requests: bool = False) -> None:
-    """Serve ``fn_spec`` until SIGTERM / SIGINT (blocking). Raises ValueError for a bad spec or address."""
+                 log_requests: bool = False, limits: ServiceLimits | None = None) -> None:
+    """Serve ``fn_spec`` until SIGTERM / SIGINT (blocking). Raises ValueError for a bad spec, address or limit."""
+    limits = limits or ServiceLimits()
     if workers < 1:
         raise ValueError(f"--workers={workers} must be >= 1")
+    limits.check()
     if not bind.startswith(("tcp://", "ipc://", "inproc://")):
         raise ValueError(f"--bind {bind!r} must be a ZeroMQ address such as tcp://127.0.0.1:5555")
     if http:
@@ -294,11 +630,11 @@ def serve_reward(fn_spec: str, bind: str = "tcp://127.0.0.1:0", workers: int = 1
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 asyncio.get_running_loop().add_signal_handler(sig, lambda s=sig: (reason.append(s.name), stop.set()))
-        service = await _serve(fn, bind, workers, http, log_requests, stop)
+        service = await _serve(fn, bind, workers, http, log_requests, stop, limits)
         _log(
             f"stopped on {reason[0] if reason else 'request'}: {service.n_requests} requests, "
             f"{service.n_scored} scored, {service.n_cached} from cache, {service.n_errors} errors, "
-            f"{service.n_item_failures} failed samples"
+            f"{service.n_busy} busy, {service.n_timeouts} timed out, {service.n_item_failures} failed samples"
         )
 
     asyncio.run(main())
@@ -306,15 +642,33 @@ def serve_reward(fn_spec: str, bind: str = "tcp://127.0.0.1:0", workers: int = 1
 
 def serve_reward_main(argv: list[str]) -> int:
     """Entry of ``streamrft serve-reward``; returns the exit status."""
+    d = ServiceLimits()
     parser = argparse.ArgumentParser(prog="streamrft serve-reward", description=__doc__.split("\n\n")[0])
     parser.add_argument("--fn", required=True, help="rule name (arith, gsm8k, math, boxed_format) or module:function")
     parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ address; port 0 = any free port")
     parser.add_argument("--workers", type=int, default=1, help="concurrent scoring threads")
     parser.add_argument("--http", default=None, help="also serve JSON over HTTP on host:port")
     parser.add_argument("--log-requests", action="store_true", help="log one line per request scored")
+    parser.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                        help="largest request frame or HTTP body")
+    parser.add_argument("--max-items", type=int, default=d.max_items, help="most samples in one request")
+    parser.add_argument("--max-queued", type=int, default=d.max_queued,
+                        help="requests waiting or being scored before new ones get a busy reply")
+    parser.add_argument("--max-queued-bytes", type=int, default=d.max_queued_bytes,
+                        help="bytes of requests waiting or being scored before new ones get a busy reply")
+    parser.add_argument("--score-timeout-s", type=float, default=d.score_timeout_s,
+                        help="a request not scored within this gets an error reply")
+    parser.add_argument("--http-timeout-s", type=float, default=d.http_timeout_s,
+                        help="an HTTP client must send its request within this")
+    parser.add_argument("--cache-bytes", type=int, default=d.cache_bytes, help="memory for replies kept for retries")
     args = parser.parse_args(argv)
+    limits = ServiceLimits(
+        max_message_bytes=args.max_message_bytes, max_items=args.max_items, max_queued=args.max_queued,
+        max_queued_bytes=args.max_queued_bytes, score_timeout_s=args.score_timeout_s,
+        http_timeout_s=args.http_timeout_s, cache_bytes=args.cache_bytes,
+    )
     try:
-        serve_reward(args.fn, args.bind, args.workers, args.http, args.log_requests)
+        serve_reward(args.fn, args.bind, args.workers, args.http, args.log_requests, limits)
     except (ValueError, zmq.ZMQError, OSError) as exc:
         print(f"serve-reward: error: {exc}", file=sys.stderr, flush=True)
         return 2

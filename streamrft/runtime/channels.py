@@ -354,6 +354,8 @@ class ChannelReceiver:
             tensors = frames_to_tensors(specs, [frame.buffer for frame in frames[1:]])
         except protocols.ProtocolError as exc:
             raise type(exc)(f"{self._where()}: {exc}") from None
+        except Exception as exc:  # decoders raise only ProtocolError; should one not, the caller still gets one
+            raise protocols.ProtocolError(f"{self._where()}: undecodable message: {type(exc).__name__}: {exc}") from None
         return header, tensors
 
 

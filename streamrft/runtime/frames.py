@@ -77,15 +77,25 @@ def tensors_to_frames(tensors: Mapping[str, torch.Tensor] | None) -> tuple[list[
     return specs, buffers
 
 
+# Past this a dimension cannot describe real memory (torch sizes are int64; 2**62 leaves room for numel).
+MAX_DIM = 2**62
+
+
 def frames_to_tensors(specs: Sequence[TensorSpec], buffers: Sequence[memoryview]) -> dict[str, torch.Tensor]:
-    """Tensors viewing ``buffers`` as described by ``specs``; ProtocolError on any disagreement."""
+    """Tensors viewing ``buffers`` as described by ``specs``; ProtocolError on any disagreement.
+
+    Whatever the header and frames hold (zero or huge dimensions, a size that disagrees, a shape
+    that overflows), the result is valid tensors or ProtocolError, never another exception.
+    """
     if len(specs) != len(buffers):
         raise ProtocolError(
-            f"header lists {len(specs)} tensor(s) {[s.name for s in specs]} but {len(buffers)} "
+            f"header lists {len(specs)} tensor(s) {[getattr(s, 'name', s) for s in specs]} but {len(buffers)} "
             "tensor frame(s) arrived; the sender must send one frame per TensorSpec"
         )
     tensors: dict[str, torch.Tensor] = {}
     for spec, buffer in zip(specs, buffers):
+        if not isinstance(spec, TensorSpec):
+            raise ProtocolError(f"tensor spec {spec!r} is a {type(spec).__name__}, expected a TensorSpec")
         dtype = DTYPES_BY_NAME.get(spec.dtype)
         if dtype is None:
             raise ProtocolError(
@@ -93,24 +103,38 @@ def frames_to_tensors(specs: Sequence[TensorSpec], buffers: Sequence[memoryview]
             )
         if spec.name in tensors:
             raise ProtocolError(f"tensor name {spec.name!r} appears twice in the header")
+        if not all(type(dim) is int for dim in spec.shape):
+            raise ProtocolError(f"tensor {spec.name!r} has a non-integer dimension in shape {list(spec.shape)}")
         if any(dim < 0 for dim in spec.shape):
             raise ProtocolError(f"tensor {spec.name!r} has a negative dimension in shape {list(spec.shape)}")
+        if any(dim > MAX_DIM for dim in spec.shape):
+            raise ProtocolError(f"tensor {spec.name!r} has a dimension above 2**62 in shape {list(spec.shape)}")
         numel = math.prod(spec.shape)
         expected = numel * dtype.itemsize
-        if buffer.nbytes != expected:
+        nbytes = memoryview(buffer).nbytes
+        if nbytes != expected:
             raise ProtocolError(
                 f"tensor {spec.name!r} ({spec.dtype}, shape {list(spec.shape)}) needs {expected} bytes, "
-                f"its frame has {buffer.nbytes}"
+                f"its frame has {nbytes}"
             )
-        if numel == 0:
-            # torch.frombuffer refuses an empty buffer; an empty tensor owns no bytes anyway.
-            tensors[spec.name] = torch.empty(spec.shape, dtype=dtype)
-        else:
-            flat = torch.frombuffer(buffer, dtype=torch.uint8)
-            if flat.data_ptr() % dtype.itemsize:
-                # libzmq may hand over a frame that starts at any offset of its receive buffer;
-                # kernels assume dtype-aligned memory, so copy the (rare) misaligned frame.
-                flat = flat.clone()
-            tensor = flat.view(dtype)
-            tensors[spec.name] = tensor if len(spec.shape) == 1 else tensor.reshape(spec.shape)
+        try:
+            tensors[spec.name] = _view(buffer, dtype, spec.shape, numel)
+        except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+            # e.g. a zero-size shape whose other dimensions torch cannot represent
+            raise ProtocolError(
+                f"tensor {spec.name!r} ({spec.dtype}, shape {list(spec.shape)}) cannot be built: {exc}"
+            ) from None
     return tensors
+
+
+def _view(buffer: memoryview, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> torch.Tensor:
+    if numel == 0:
+        # torch.frombuffer refuses an empty buffer; an empty tensor owns no bytes anyway.
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    if flat.data_ptr() % dtype.itemsize:
+        # libzmq may hand over a frame that starts at any offset of its receive buffer;
+        # kernels assume dtype-aligned memory, so copy the (rare) misaligned frame.
+        flat = flat.clone()
+    tensor = flat.view(dtype)
+    return tensor if len(shape) == 1 else tensor.reshape(shape)
