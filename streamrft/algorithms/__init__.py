@@ -3,6 +3,8 @@
 ADVANTAGE_ESTIMATORS[algorithm.advantage_estimator] -> Estimator(fn, scope, needs_critic)
 POLICY_LOSSES[algorithm.policy_loss]                -> fn(PolicyLossInputs, cfg) -> PolicyLossOutput
 KL_ESTIMATORS[algorithm.kl_estimator]               -> fn(logp_BT, ref_logp_BT) -> kl_BT
+TIS_WEIGHTS[algorithm.tis_mode]                     -> fn(log_r_BT, mask_BT, cap) -> (w_BT, clipped_BT)
+OFFPOLICY_MASKS[algorithm.offpolicy_mask]           -> fn(log_r_BT, mask_BT, low, high) -> keep_BT
 LOSS_AGG_MODES                                      -> the modes aggregate_loss accepts
 This package imports only torch and the algorithm config section.
 """
@@ -30,6 +32,7 @@ from streamrft.algorithms.kl import (
 )
 from streamrft.algorithms.logits import entropy_from_logits, entropy_from_logits_chunked, logprobs_from_logits
 from streamrft.algorithms.normalize import RunningMeanStd, clip_rewards, whiten_advantages
+from streamrft.algorithms.offpolicy import OFFPOLICY_MASKS, TIS_WEIGHTS, behaviour_proximal_kl, offpolicy_weight
 from streamrft.algorithms.policy_losses import (
     PolicyLossInputs,
     PolicyLossOutput,
@@ -68,6 +71,8 @@ __all__ = [
     "POLICY_LOSSES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "OFFPOLICY_MASKS",
+    "TIS_WEIGHTS",
     "AdvantageInputs",
     "AdvantageOutputs",
     "Estimator",
@@ -77,6 +82,7 @@ __all__ = [
     "FixedKLController",
     "RunningMeanStd",
     "aggregate_loss",
+    "behaviour_proximal_kl",
     "pad_rows",
     "clip_advantages",
     "clip_rewards",
@@ -86,6 +92,7 @@ __all__ = [
     "identity",
     "logprobs_from_logits",
     "make_kl_controller",
+    "offpolicy_weight",
     "overlong_filter",
     "overlong_penalty",
     "tis_weight",

@@ -15,19 +15,22 @@ def identity(x: Tensor) -> Tensor:
 
 
 def group_stats(rewards_B: Tensor, group_index_B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sample (mean, unbiased std, count) of the sample's own group.
+    """Per-sample (mean, unbiased std, count) of the sample's own group, float64.
 
     Groups are the distinct values of ``group_index_B`` wherever they sit in the batch (interleaved
     groups are fine). std uses Bessel's correction, sqrt(sum (r - mean)^2 / (n - 1)); a group of one
     sample has std 0 by definition here (its centred reward is 0 anyway).
     """
     assert rewards_B.dim() == 1 and rewards_B.shape == group_index_B.shape, "rewards and group_index must be (B,)"
+    # float64, two-pass (mean, then squared deviations): float32 rewards with a large common offset keep
+    # their spread. The results are float64; estimators cast once at the end.
+    r64_B = rewards_B.to(torch.float64)
     _, inv_B = torch.unique(group_index_B, return_inverse=True)
     n_groups = int(inv_B.max().item()) + 1 if inv_B.numel() else 0
-    zeros_G = rewards_B.new_zeros(n_groups)
-    count_G = zeros_G.index_add(0, inv_B, torch.ones_like(rewards_B))
-    mean_G = zeros_G.index_add(0, inv_B, rewards_B) / count_G
-    dev_B = rewards_B - mean_G[inv_B]
+    zeros_G = r64_B.new_zeros(n_groups)
+    count_G = zeros_G.index_add(0, inv_B, torch.ones_like(r64_B))
+    mean_G = zeros_G.index_add(0, inv_B, r64_B) / count_G
+    dev_B = r64_B - mean_G[inv_B]
     ss_G = zeros_G.index_add(0, inv_B, dev_B * dev_B)
     var_G = torch.where(count_G > 1, ss_G / (count_G - 1).clamp(min=1), torch.zeros_like(ss_G))
     return mean_G[inv_B], var_G.sqrt()[inv_B], count_G[inv_B]
@@ -59,18 +62,29 @@ def discounted_returns(r_BT: Tensor, gamma: float) -> Tensor:
 
 
 def masked_global_mean_std(x_BT: Tensor, mask_BT: Tensor, all_reduce_sum) -> tuple[Tensor, Tensor]:
-    """Mean and unbiased std of x over masked tokens of the whole step batch (all ranks).
+    """Mean and unbiased std (float64 scalars) of x over masked tokens of the whole step batch (all ranks).
 
-    One all-reduce of [sum m, sum m x, sum m x^2]; var = (S2 - S1^2 / n) / (n - 1), 0 when n <= 1.
+    Two passes in float64, two all-reduces: [n, sum x] gives mu; then sum (x - mu)^2 gives
+    var = ss / (n - 1), 0 when n <= 1. One pass, var = (S2 - S1^2 / n) / (n - 1), cancels
+    catastrophically when |mu| >> sigma (rewards 1 +- 3e-4 in float32 gave std 333x too large); the
+    shifted sum is exact to float64 rounding. Callers keep mu and sigma in float64 until the division.
     """
-    m_BT = (mask_BT > 0).to(x_BT.dtype)
-    xm_BT = torch.where(mask_BT > 0, x_BT, torch.zeros_like(x_BT))
-    stats_3 = torch.stack([m_BT.sum(), xm_BT.sum(), (xm_BT * xm_BT).sum()])
-    n, s1, s2 = all_reduce_sum(stats_3).unbind(0)
+    keep_BT = mask_BT > 0
+    x64_BT = torch.where(keep_BT, x_BT.to(torch.float64), torch.zeros((), dtype=torch.float64, device=x_BT.device))
+    n, s1 = all_reduce_sum(torch.stack([keep_BT.sum().to(torch.float64), x64_BT.sum()])).unbind(0)
     mean = s1 / n.clamp(min=1)
-    var = ((s2 - s1 * s1 / n.clamp(min=1)) / (n - 1).clamp(min=1)).clamp(min=0)
-    var = torch.where(n > 1, var, torch.zeros_like(var))
+    dev_BT = torch.where(keep_BT, x64_BT - mean, torch.zeros_like(x64_BT))
+    (ss,) = all_reduce_sum((dev_BT * dev_BT).sum().reshape(1)).unbind(0)
+    var = torch.where(n > 1, ss / (n - 1).clamp(min=1), torch.zeros_like(ss))
     return mean, var.sqrt()
+
+
+def standardise(x_BT: Tensor, mean: Tensor, std: Tensor, eps: float, shift_mean: bool = True) -> Tensor:
+    """(x - mu) / (sigma + eps) (or x / (sigma + eps)) computed in float64, returned in x's dtype: the
+    difference of two nearby float32 numbers would otherwise lose the digits whitening is about."""
+    x64_BT = x_BT.to(torch.float64)
+    out_BT = (x64_BT - mean) if shift_mean else x64_BT
+    return (out_BT / (std + eps)).to(x_BT.dtype)
 
 
 def mask_out(x_BT: Tensor, mask_BT: Tensor) -> Tensor:

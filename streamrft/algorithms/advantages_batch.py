@@ -14,6 +14,7 @@ from streamrft.algorithms._masked import (
     identity,
     mask_out,
     masked_global_mean_std,
+    standardise,
     token_level_rewards,
 )
 from streamrft.algorithms.advantage_types import AdvantageInputs, AdvantageOutputs, finish
@@ -47,8 +48,8 @@ def reinforce_plus_plus(inp: AdvantageInputs, cfg: AlgorithmConfig, all_reduce_s
     """
     r_BT = token_level_rewards(inp.rewards, inp.response_mask, inp.token_rewards)
     returns_BT = mask_out(discounted_returns(r_BT, cfg.gamma), inp.response_mask)
-    mean, std = masked_global_mean_std(returns_BT, inp.response_mask, all_reduce_sum)
-    adv_BT = (returns_BT - mean) / (std + cfg.norm_eps)
+    mean, std = masked_global_mean_std(returns_BT, inp.response_mask, all_reduce_sum)  # float64, two-pass
+    adv_BT = standardise(returns_BT, mean, std, cfg.norm_eps)
     return AdvantageOutputs(finish(adv_BT, inp.response_mask, cfg), returns_BT)
 
 

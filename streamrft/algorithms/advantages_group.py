@@ -58,7 +58,7 @@ def reinforce_baseline(inp: AdvantageInputs, cfg: AlgorithmConfig, all_reduce_su
     """
     mean_B, _, _ = group_stats(inp.rewards, inp.group_index)
     returns_BT = discounted_returns(token_level_rewards(inp.rewards, inp.response_mask, inp.token_rewards), cfg.gamma)
-    adv_BT = returns_BT - mean_B[:, None]
+    adv_BT = (returns_BT - mean_B[:, None]).to(returns_BT.dtype)  # group_stats is float64
     return AdvantageOutputs(finish(adv_BT, inp.response_mask, cfg), mask_out(returns_BT, inp.response_mask))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from streamrft.algorithms._masked import identity, mask_out, masked_global_mean_std
+from streamrft.algorithms._masked import identity, mask_out, masked_global_mean_std, standardise
 
 
 def whiten_advantages(
@@ -17,11 +17,11 @@ def whiten_advantages(
 ) -> Tensor:
     """A' = (A - mu) / (sigma + eps) over the masked tokens of the global batch (sigma unbiased).
 
-    shift_mean=False keeps the mean (A' = A / (sigma + eps)). eps is algorithm.norm_eps.
+    shift_mean=False keeps the mean (A' = A / (sigma + eps)). eps is algorithm.norm_eps. Statistics and
+    the division are float64 (masked_global_mean_std, standardise); the result has adv_BT's dtype.
     """
     mean, std = masked_global_mean_std(adv_BT, mask_BT, all_reduce_sum)
-    out_BT = (adv_BT - mean) if shift_mean else adv_BT
-    return mask_out(out_BT / (std + eps), mask_BT)
+    return mask_out(standardise(adv_BT, mean, std, eps, shift_mean), mask_BT)
 
 
 def clip_rewards(rewards_B: Tensor, clip: float) -> Tensor:
@@ -32,8 +32,8 @@ def clip_rewards(rewards_B: Tensor, clip: float) -> Tensor:
 class RunningMeanStd:
     """Running mean / population variance of a reward stream, merged across ranks (Chan et al. 1979).
 
-    update(x): one all-reduce of [n, sum x, sum x^2] (float64) gives the step's global batch mean and
-    variance, merged into the running state by
+    update(x): two all-reduces in float64, [n, sum x] then sum (x - mean_b)^2, give the step's global
+    batch mean and population variance, merged into the running state by
         delta = mean_b - mean,  N' = N + n,  mean' = mean + delta n / N',
         M2' = var N + var_b n + delta^2 N n / N',  var' = M2' / N'.
     normalize(x) = (x - mean) / (sqrt(var) + eps). State is three float64 tensors (checkpointable),
@@ -48,12 +48,15 @@ class RunningMeanStd:
 
     def update(self, x: Tensor, all_reduce_sum=identity) -> None:
         x64 = x.detach().reshape(-1).to(torch.float64)
-        stats_3 = all_reduce_sum(torch.stack([x64.new_tensor(float(x64.numel())), x64.sum(), (x64 * x64).sum()]))
-        n, s1, s2 = (v.cpu() for v in stats_3.unbind(0))
+        # Two passes (global mean, then squared deviations from it): the one-pass s2/n - mean^2 cancels
+        # when the rewards share a large offset.
+        n, s1 = (v.cpu() for v in all_reduce_sum(torch.stack([x64.new_tensor(float(x64.numel())), x64.sum()])).unbind(0))
         if n.item() == 0:
             return
         mean_b = s1 / n
-        var_b = (s2 / n - mean_b * mean_b).clamp(min=0)
+        dev = x64 - mean_b.to(x64.device)
+        (ss,) = (v.cpu() for v in all_reduce_sum((dev * dev).sum().reshape(1)).unbind(0))
+        var_b = ss / n
         total = self.count + n
         delta = mean_b - self.mean
         m2 = self.var * self.count + var_b * n + delta * delta * self.count * n / total
@@ -62,9 +65,9 @@ class RunningMeanStd:
         self.count = total
 
     def normalize(self, x: Tensor) -> Tensor:
-        mean = self.mean.to(device=x.device, dtype=x.dtype)
-        std = self.var.sqrt().to(device=x.device, dtype=x.dtype)
-        return (x - mean) / (std + self.eps)
+        mean = self.mean.to(device=x.device)
+        std = self.var.sqrt().to(device=x.device)
+        return standardise(x, mean, std, self.eps)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {"count": self.count.clone(), "mean": self.mean.clone(), "var": self.var.clone()}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from streamrft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from streamrft.algorithms.offpolicy import OFFPOLICY_MASKS, TIS_WEIGHTS
+from streamrft.config.algorithm import AlgorithmConfig
 from streamrft.config.base import ConfigError
 
 # Estimators that read AdvantageInputs.token_rewards (so kl_mode=reward reaches the advantages).
@@ -22,7 +24,8 @@ def _names(cfg) -> None:
     _choose("kl_estimator", a.kl_estimator, KL_ESTIMATORS)
     _choose("kl_mode", a.kl_mode, ("loss", "reward"))
     _choose("kl_ctl_type", a.kl_ctl_type, ("fixed", "adaptive"))
-    _choose("tis_mode", a.tis_mode, ("token", "sequence", "off"))
+    _choose("tis_mode", a.tis_mode, TIS_WEIGHTS)
+    _choose("offpolicy_mask", a.offpolicy_mask, OFFPOLICY_MASKS)
 
 
 def _ranges(cfg) -> None:
@@ -35,6 +38,14 @@ def _ranges(cfg) -> None:
         raise ConfigError(f"algorithm.dual_clip_c={a.dual_clip_c} must be > 1 (it bounds -A * ratio for A < 0)")
     if a.tis_cap < 1:
         raise ConfigError(f"algorithm.tis_cap={a.tis_cap} must be >= 1; use algorithm.tis_mode=off to disable truncated IS")
+    if not 0 <= a.offpolicy_mask_low < 1:
+        raise ConfigError(
+            f"algorithm.offpolicy_mask_low={a.offpolicy_mask_low} must be in [0, 1) (a ratio of 1, on-policy, must be kept)"
+        )
+    if a.offpolicy_mask_high <= 1:
+        raise ConfigError(
+            f"algorithm.offpolicy_mask_high={a.offpolicy_mask_high} must be > 1 (a ratio of 1, on-policy, must be kept)"
+        )
     if not 0 < a.high_entropy_ratio <= 1:
         raise ConfigError(f"algorithm.high_entropy_ratio={a.high_entropy_ratio} must be in (0, 1] (1.0 = train on all tokens)")
     if not 0 <= a.gamma <= 1:
@@ -111,8 +122,35 @@ def _combinations(cfg) -> None:
         )
 
 
+_DEFAULTS = AlgorithmConfig()
+
+
+def _changed(a, key: str) -> bool:
+    return getattr(a, key) != getattr(_DEFAULTS, key)
+
+
+def _unused(cfg) -> None:
+    """A key of a variant that is not selected would be accepted and do nothing: refuse it when it is
+    set away from its default (a Config built in code; config/variants.py also checks written keys)."""
+    a = cfg.algorithm
+    for key in ("clip_eps_low", "clip_eps_high"):
+        if a.policy_loss == "gmpo" and _changed(a, key):
+            raise ConfigError(
+                f"algorithm.{key}={getattr(a, key)} does nothing with algorithm.policy_loss=gmpo (GMPO clips "
+                "log-ratios to [-gmpo_clip_eps, gmpo_clip_eps]); set algorithm.gmpo_clip_eps instead"
+            )
+    if a.offpolicy_mask == "off":
+        for key in ("offpolicy_mask_low", "offpolicy_mask_high"):
+            if _changed(a, key):
+                raise ConfigError(
+                    f"algorithm.{key}={getattr(a, key)} does nothing with algorithm.offpolicy_mask=off; "
+                    "set algorithm.offpolicy_mask=token or sequence"
+                )
+
+
 def validate_algorithm(cfg) -> None:
     """Check cfg.algorithm against itself, cfg.rollout.n_samples_per_prompt and cfg.engine.max_new_tokens."""
     _names(cfg)
     _ranges(cfg)
     _combinations(cfg)
+    _unused(cfg)

@@ -19,8 +19,13 @@ class AlgorithmConfig(Section):
     dual_clip_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
     gmpo_clip_eps: float = 0.4  # GMPO: token log-ratio clip range [-eps, eps] (the paper's e^{+-0.4})
     cpg_drift_coef: float = 0.1  # CPGD: weight of the policy-drift term KL(pi_old || pi) in the cpg loss
-    tis_mode: str = "token"  # truncated importance sampling with behaviour log-probs: token | sequence | off
+    # --- off-policy correction, behaviour (engine) vs proximal (learner at step start) policy
+    #     (streamrft/algorithms/offpolicy.py); the two families compose: weight = tis * mask ---
+    tis_mode: str = "token"  # truncated IS weight min(pi_prox / pi_beh, tis_cap) (decoupled PPO): token | sequence | off
     tis_cap: float = 2.0  # truncation of the behaviour importance weight (>= 1)
+    offpolicy_mask: str = "off"  # drop tokens (token) or whole sequences (sequence, geometric-mean ratio) whose pi_prox / pi_beh leaves [low, high] (IcePop / MIS): token | sequence | off
+    offpolicy_mask_low: float = 0.5  # lower bound of the kept ratio window, in [0, 1) (0 = no lower bound, MIS)
+    offpolicy_mask_high: float = 5.0  # upper bound of the kept ratio window, > 1
     entropy_coef: float = 0.0  # entropy bonus weight (learner: loss - entropy_coef * entropy)
     # --- KL to the reference policy (streamrft/algorithms/kl.py) ---
     kl_coef: float = 0.0  # initial KL coefficient; 0 = no reference model

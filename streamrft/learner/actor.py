@@ -34,6 +34,10 @@ _TOKEN_METRICS = {
     "ratio": "ratio_mean",
     "tis_clipped": "tis_clipped_fraction",
     "tis_weight": "tis_weight_mean",
+    # off-policy correction (algorithms/offpolicy.py): tokens dropped by algorithm.offpolicy_mask, and
+    # the k3 KL(behaviour || proximal) over response tokens
+    "offpolicy_masked": "offpolicy_masked_fraction",
+    "behaviour_proximal_kl": "behaviour_proximal_kl",
 }
 
 
@@ -222,6 +226,8 @@ class ActorUpdate:
 
         def loss_fn(mb, logp_BL, entropy_BL):
             mask = mb["response_mask"].to(logp_BL.dtype)
+            # The proximal policy of decoupled PPO (algorithms/offpolicy.py): recomputed at step start when
+            # there are several updates per step; otherwise this single pass's detached log-probs are it.
             old_logp = mb["old_logp"] if "old_logp" in mb else logp_BL.detach()
             advantages = self._advantages(mb, old_logp).to(logp_BL.dtype)
             loss_mask = mask

@@ -9,6 +9,7 @@ import torch
 
 from streamrft.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, value_loss
 from streamrft.config.algorithm import AlgorithmConfig
+from tests.unit.fake_ranks import run_ranks
 
 B, T = 9, 7
 GROUPS = [2, 0, 1, 2, 0, 1, 2, 0, 1]  # interleaved: three groups of three, never contiguous
@@ -168,21 +169,8 @@ def test_reinforce_plus_plus_normalises_returns_over_the_batch():
 
 
 def two_rank_call(fn, a, b, cfg):
-    """Run fn on two 'ranks' a and b, each with an all_reduce_sum that adds the other rank's tensor."""
-    seen = {}
-
-    def record(key):
-        def reduce(x):
-            seen[key] = x.clone()
-            return x
-
-        return reduce
-
-    fn(a, cfg, record("a"))
-    fn(b, cfg, record("b"))
-    out_a = fn(a, cfg, lambda x: x + seen["b"])
-    out_b = fn(b, cfg, lambda x: x + seen["a"])
-    return out_a, out_b
+    """Run fn on two 'ranks' a and b (threads) whose all_reduce_sum really sums across both."""
+    return run_ranks([lambda reduce: fn(a, cfg, reduce), lambda reduce: fn(b, cfg, reduce)])
 
 
 def test_reinforce_plus_plus_on_two_ranks_uses_global_statistics_not_per_rank_ones():

@@ -18,6 +18,7 @@ from streamrft.algorithms import (
     whiten_advantages,
     zero_variance_groups,
 )
+from tests.unit.fake_ranks import run_ranks
 
 
 def test_zero_variance_groups_flags_every_sample_of_an_all_equal_group_even_when_interleaved():
@@ -70,9 +71,7 @@ def test_running_mean_std_equals_the_statistics_of_everything_seen_across_two_ra
     steps = [(torch.randn(5, generator=g) * 3 + 1, torch.randn(3, generator=g) + 4) for _ in range(3)]
     ranks = [RunningMeanStd(eps=1e-6), RunningMeanStd(eps=1e-6)]
     for a, b in steps:
-        sums = [torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.double().sum(), (x.double() ** 2).sum()]) for x in (a, b)]
-        ranks[0].update(a, lambda s: s + sums[1])
-        ranks[1].update(b, lambda s: s + sums[0])
+        run_ranks([lambda reduce: ranks[0].update(a, reduce), lambda reduce: ranks[1].update(b, reduce)])
     seen = np.concatenate([np.concatenate([a.numpy(), b.numpy()]) for a, b in steps]).astype(np.float64)
     for r in ranks:
         assert r.count.item() == len(seen)
@@ -90,10 +89,8 @@ def test_whitening_is_global_across_ranks_and_differs_from_per_rank_whitening():
     a, b = torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(2, 4, generator=g, dtype=torch.float64) + 5
     ma = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
     mb = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.float64)
-    stats = {}
-    whiten_advantages(a, ma, lambda s: stats.setdefault("a", s))
-    whiten_advantages(b, mb, lambda s: stats.setdefault("b", s))
-    wa = whiten_advantages(a, ma, lambda s: s + stats["b"], eps=1e-6)
+    wa, _ = run_ranks([lambda reduce: whiten_advantages(a, ma, reduce, eps=1e-6),
+                       lambda reduce: whiten_advantages(b, mb, reduce, eps=1e-6)])
     vals = np.array([float(a[i, t]) for i in range(3) for t in range(4) if ma[i, t]] + [float(b[i, t]) for i in range(2) for t in range(4) if mb[i, t]])
     expected = (a.numpy() - vals.mean()) / (vals.std(ddof=1) + 1e-6) * ma.numpy()
     np.testing.assert_allclose(wa.numpy(), expected, atol=1e-9)
