@@ -1,0 +1,55 @@
+"""Issue 16 items 1 and 2 on real runs: `streamrft train` with a reward function that raises, or a sync
+one that never returns, ends with the failure policy's error (source, counts, step, first failure),
+a non-zero exit code, and the process gone within a bounded time (no hung thread is joined)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.integration.conftest import REPO, arith_overrides
+from tests.integration.test_train_e2e import CONFIG, env_one_thread
+
+pytestmark = pytest.mark.slow
+
+FUNCS = textwrap.dedent(
+    """
+    import threading
+
+    def hangs(response, reference):  # a sync reward that never returns (a deadlock, a lost socket...)
+        threading.Event().wait()
+
+    def boom(response, reference):
+        raise ValueError("boom")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "fn, first_failure",
+    [
+        ("boom", "first failure: ValueError('boom') in sample s0-p"),
+        ("hangs", "first failure: timeout after 1s (reward.timeout_s) in sample s0-p"),
+    ],
+)
+def test_item1_item2_a_failing_reward_stops_the_run_loudly_with_a_non_zero_exit(arith_dir, tmp_path, fn, first_failure):
+    (tmp_path / "fns.py").write_text(FUNCS)
+    source = f'reward.sources=[{{name: my_fn, type: custom, fn: "{tmp_path / "fns.py"}:{fn}"}}]'
+    overrides = arith_overrides(arith_dir, tmp_path / "out", "train.max_steps=5", "reward.timeout_s=1", source)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "streamrft.cli", "train", str(CONFIG), *overrides],
+                          env=env_one_thread(), cwd=REPO, capture_output=True, text=True, timeout=240)
+    elapsed = time.monotonic() - started
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-4000:]
+    # 8 prompts x 4 samples, every one failed by the one source, at the first step: stop there.
+    assert ("streamrft: error: rank 0: reward source 'my_fn' failed 32 of 32 samples at step 1 "
+            "(limit 0.5, reward.max_failed_fraction): " + first_failure) in proc.stderr, out[-4000:]
+    assert "streamrft: step 1: failed 32 (reward: 32) — first: reward: source 'my_fn': " in proc.stdout, out[-4000:]
+    assert "step 2" not in proc.stdout and "summary:" not in proc.stdout
+    # Bounded: a hung call costs its timeout (held-out eval, then step 1), and exit does not join its threads.
+    assert elapsed < 120, f"the run took {elapsed:.0f}s"
