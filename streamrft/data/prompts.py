@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-class DataError(ValueError):
-    """A dataset file or row that cannot be used; the message names file, row and field."""
+from streamrft.data.errors import DataError
+from streamrft.data.rows import read_rows
 
 
 @dataclass(frozen=True)
@@ -20,27 +18,6 @@ class PromptRow:
     # the row's other fields, raw (media values: paths, bytes, data URIs, frame lists); read by
     # streamrft.models.media_inputs.MediaCodec for data.image_field / video_field / audio_field
     extra: dict = field(default_factory=dict, compare=False, repr=False)
-
-
-def _read_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        raise DataError(f"dataset file {path} does not exist")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    if path.suffix not in (".jsonl", ".json"):
-        raise DataError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
-    rows = []
-    with path.open() as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}: row {len(rows)} (line {i + 1}) is not valid JSON: {exc}") from None
-    return rows
 
 
 class PromptDataset:
@@ -56,7 +33,7 @@ class PromptDataset:
     ) -> None:
         self.path = Path(path)
         self.rows: list[PromptRow] = []
-        for i, raw in enumerate(_read_rows(self.path)):
+        for i, raw in enumerate(read_rows(self.path)):
             if not isinstance(raw, dict):
                 raise DataError(f"{self.path}: row {i} is a {type(raw).__name__}, expected an object")
             self.rows.append(self._parse(i, raw, prompt_field, reference_field, label_field, require_reference))

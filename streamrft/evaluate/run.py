@@ -12,11 +12,10 @@ import json
 import time
 from pathlib import Path
 
-from streamrft.data import DataError
+from streamrft.data import DataError, read_rows
 from streamrft.evaluate.answers import FORMATS
 from streamrft.evaluate.config import EvalConfig
 from streamrft.evaluate.metrics import majority_answer, pass_at_k
-from streamrft.rm.data import read_rows
 
 
 def load_problems(cfg: EvalConfig) -> list[tuple[str, str]]:

@@ -8,12 +8,11 @@ A row missing a required field raises ``DataError("FILE: row I: missing field 'F
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamrft.data import DataError
+from streamrft.data import DataError, read_rows
 
 
 @dataclass
@@ -30,30 +29,6 @@ class JudgmentRow:
     prompt: str
     responses: list[str]  # 1 (pointwise score) or 2 (A/B comparison)
     judgment: str  # the target verdict text, e.g. "[[A]]" or "[[1]]"
-
-
-def read_rows(path: str | Path) -> list[dict]:
-    """Every row of a jsonl or parquet file as a dict."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: file does not exist")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}: line {i + 1} is not JSON: {exc}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}: line {i + 1} is not a JSON object")
-            rows.append(row)
-    return rows
 
 
 def _field(path, i: int, row: dict, name: str, kinds: tuple[type, ...], what: str):

@@ -1,0 +1,84 @@
+"""Raw rows of a jsonl or parquet file, with errors that name the file, the row and where in the file.
+
+The one reader behind the prompt datasets (``streamrft.data.prompts``), the reward-model datasets
+(``streamrft.rm.data``) and ``streamrft eval``. A jsonl file is read as bytes and decoded line by line,
+so a line that is not UTF-8 is reported with its row, line and byte offset instead of a bare
+``UnicodeDecodeError`` from deep inside the file iterator.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from streamrft.data.errors import DataError
+
+JSONL_SUFFIXES = (".jsonl", ".json")
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Every row of a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file, as dicts.
+
+    Row numbers in errors are 0-based and count non-blank lines; line numbers are 1-based; byte
+    offsets are 0-based from the start of the file (``head -c OFFSET`` / ``xxd -s OFFSET`` find them).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"dataset file {path} does not exist")
+    if not path.is_file():
+        raise DataError(f"dataset path {path} is not a file")
+    if path.suffix == ".parquet":
+        return _read_parquet(path)
+    if path.suffix not in JSONL_SUFFIXES:
+        raise DataError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
+    return _read_jsonl(path)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows: list[dict] = []
+    offset = 0  # byte offset of the current line's first byte
+    with path.open("rb") as f:
+        for i, raw in enumerate(f):
+            where = f"row {len(rows)} (line {i + 1}, byte offset {offset})"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{path}: {where} is not valid UTF-8: byte 0x{raw[exc.start]:02x} at byte offset "
+                    f"{offset + exc.start}; re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: {where} is not valid JSON: {exc}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: {where} is a {type(row).__name__}, expected a JSON object")
+            rows.append(row)
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:  # ArrowInvalid for a file that is not parquet, IOError for a torn one
+        raise DataError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc}); "
+                        "rewrite it with pyarrow.parquet.write_table or use .jsonl") from None
+    try:
+        return table.to_pylist()
+    except (pa.ArrowException, UnicodeDecodeError) as exc:
+        # Arrow reads strings without checking them; find the first cell that fails (error path only).
+        for name in table.column_names:
+            column = table.column(name)
+            for i in range(len(column)):
+                try:
+                    column[i].as_py()
+                except (pa.ArrowException, UnicodeDecodeError) as cell_exc:
+                    raise DataError(f"{path}: row {i} field {name!r} cannot be read "
+                                    f"({type(cell_exc).__name__}: {cell_exc}); fix or drop that row") from None
+        raise DataError(f"{path}: parquet rows cannot be converted ({type(exc).__name__}: {exc})") from None
