@@ -6,6 +6,7 @@ model is created. ``validate_*`` functions only raise; ``derive_*`` functions fi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         if path.suffix == ".toml":
             data = msgspec.toml.decode(text)
         else:
-            data = yaml.safe_load(text)
+            data = _yaml_value(text)
     except (yaml.YAMLError, msgspec.DecodeError) as exc:
         raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.') or 'yaml'}: {exc}") from None
     if data is None:
@@ -79,18 +80,24 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _number_or_text(value: Any) -> Any:
-    """YAML 1.1 reads ``1e-3`` as text; a number written that way is meant as a number."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` as text (it wants ``1.0e-3``); YAML 1.2 and every user mean a number.
+    Implicit resolvers only apply to plain scalars, so a quoted ``"2024"`` or ``"1e-3"`` stays text."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_value(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides in place; values are parsed as YAML scalars/lists."""
+    """Apply ``a.b.c=value`` overrides in place; values are parsed as YAML scalars/lists (as in the
+    file: ``key=2024`` is a number, ``key='"2024"'`` the text 2024)."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (e.g. train.max_steps=10)")
@@ -105,10 +112,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(f"override {key}: {part} is a value, not a section")
             node = child
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = _yaml_value(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
-        node[parts[-1]] = _number_or_text(value)
+        node[parts[-1]] = value
     return data
 
 
