@@ -17,7 +17,11 @@ def _train(args: argparse.Namespace) -> int:
     world_size = _env_world_size()
     validate_config(cfg, world_size)
     if args.dry_run:
-        print(f"streamrft: {args.config} is valid for world_size={world_size}")
+        from streamrft.checkpoint.guard import check_resume
+
+        resume = check_resume(cfg, world_size)  # what the run would do with output_dir, refused as it would be
+        then = f"; it would resume from {resume}" if resume else ""
+        print(f"streamrft: {args.config} is valid for world_size={world_size}{then}")
         return 0
     from streamrft.compose import train
 

@@ -157,6 +157,9 @@ def train(cfg: Config) -> dict[str, float]:
     dist = init_distributed(timeout_s=cfg.rollout.stage_timeout_s)
     try:
         validate_config(cfg, dist.world_size)
+        from streamrft.checkpoint.guard import check_resume
+
+        check_resume(cfg, dist.world_size)  # checkpoint.resume and the resume guard, before any model load
         run = build_run(cfg, dist)
         from streamrft.runtime.driver import run_with_signals
 

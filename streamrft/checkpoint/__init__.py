@@ -1,22 +1,28 @@
-"""Sharded checkpoints with exact resume (manager.py), their layout on disk (layout.py), RNG states and
-determinism (rng.py), and Hugging Face export (export.py)."""
+"""Sharded checkpoints with exact resume (manager.py), the resume guard (guard.py), their layout on disk
+(layout.py), RNG states and determinism (rng.py), and Hugging Face export (export.py)."""
 
+from streamrft.checkpoint.guard import check_resume, config_diff
 from streamrft.checkpoint.layout import (
     complete_checkpoints,
     latest_checkpoint,
+    loadable_checkpoints,
     read_meta,
     resolve_checkpoint,
     rotate,
     step_dir,
 )
-from streamrft.checkpoint.manager import Checkpointer, Resumed, reset_steps_log
+from streamrft.checkpoint.manager import Checkpointer, CheckpointWriteError, Resumed, reset_steps_log
 from streamrft.checkpoint.rng import rng_state, set_deterministic, set_rng_state
 
 __all__ = [
+    "CheckpointWriteError",
     "Checkpointer",
     "Resumed",
+    "check_resume",
     "complete_checkpoints",
+    "config_diff",
     "latest_checkpoint",
+    "loadable_checkpoints",
     "read_meta",
     "reset_steps_log",
     "resolve_checkpoint",

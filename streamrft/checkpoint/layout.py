@@ -6,10 +6,12 @@ Layout (one folder per saved step, ``k`` = train steps completed)::
         .metadata, __*_*.distcp    torch.distributed.checkpoint shards: model, optimizer, LR scheduler
         rank_{r:05d}.json          per-rank state: RNG (torch, python, numpy), accounting, counters
         hf/                        Hugging Face config and tokenizer (what export needs besides weights)
+        config.json                the resolved config of the run (checkpoint/guard.py: the resume guard)
         meta.json                  written last, atomically: its presence marks the checkpoint complete
 
 A folder without ``meta.json`` is an interrupted save: it is never resumed from, and rotation removes
-it once a newer complete checkpoint exists. "Latest" is found by scanning, not by a pointer file, so a
+it once a newer complete checkpoint exists. A complete checkpoint that does not load is renamed
+``unloadable_step_*`` (``set_aside``) and the resume falls back to the next newest. "Latest" is found by scanning, not by a pointer file, so a
 crash between writing a checkpoint and updating a pointer cannot leave them disagreeing.
 
 No torch here: this module is plain file-system bookkeeping.
@@ -67,6 +69,49 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return done[-1][1] if done else None
 
 
+def loadable_checkpoints(output_dir: str | Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Complete checkpoints, newest first, whose small files read back (meta.json, every rank's
+    ``rank_*.json``, ``config.json``), and the ones that do not, with the reason. The shards are not
+    read here (that is the strategy's load, which may still fail: see Checkpointer.resume)."""
+    good, bad = [], []
+    for _, path in reversed(complete_checkpoints(output_dir)):
+        try:
+            meta = read_meta(path)
+            for rank in range(int(meta["world_size"])):
+                _read_json(rank_file(path, rank))
+            if (path / "config.json").exists():
+                _read_json(path / "config.json")
+        except (ValueError, KeyError, TypeError) as exc:
+            bad.append((path, str(exc)))
+            continue
+        good.append(path)
+    return good, bad
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return data
+
+
+def set_aside(path: str | Path, reason: str) -> Path:
+    """Rename a checkpoint that does not load to ``unloadable_step_*`` (kept for inspection, with the
+    reason in ``UNLOADABLE.txt``): scans and rotation ignore it, and a later save of the same step
+    cannot mix its files with the old ones."""
+    path = Path(path)
+    target = path.with_name("unloadable_" + path.name)
+    n = 1
+    while target.exists():
+        target, n = path.with_name(f"unloadable{n}_" + path.name), n + 1
+    os.replace(path, target)
+    (target / "UNLOADABLE.txt").write_text(reason + "\n")
+    return target
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder from a user path: a step_* folder itself, or an output_dir / its checkpoints
     folder (then the latest complete checkpoint in it). ValueError says what was found instead."""
@@ -88,8 +133,10 @@ def read_meta(path: str | Path) -> dict:
     meta_path = Path(path) / META
     try:
         meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:
         raise ValueError(f"{meta_path}: cannot read checkpoint metadata: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: cannot read checkpoint metadata: not a JSON object")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path}: format={meta.get('format')!r}, this version reads format {FORMAT}")
     return meta

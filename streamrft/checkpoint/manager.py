@@ -20,21 +20,36 @@ SIGTERM: ``step_done`` keeps a snapshot of the cheap per-rank state taken at the
 and optimizer only change inside a train step, so on a signal the last completed step can be saved
 even from the middle of the next rollout. Ranks first agree on that step (one all-reduce with
 ``checkpoint.signal_timeout_s``); when they cannot, nothing is saved and the message says why.
+
+Robustness: the resume guard (guard.py) refuses a checkpoint of a run with other training settings; a
+checkpoint that does not load is skipped (renamed ``unloadable_step_*``) and the next newest is used;
+a save that fails for a full disk or a file-size limit says ENOSPC / EFBIG and the path.
+
+Security: torch.distributed.checkpoint reads ``.metadata`` with ``pickle`` and the non-tensor entries
+(the LR scheduler) with ``torch.load(weights_only=False)``; DeepSpeed's checkpoints are torch.load'ed
+the same way. Unpickling runs code, so anyone who can write ``output_dir`` can run code in a run that
+resumes from it (or in `streamrft export`, which reads the shards with the weights-only planner in
+safe_load.py but still unpickles ``.metadata``). Keep output_dir writable only by the user running the
+job. Everything StreamRFT itself writes beside the shards is JSON.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamrft.checkpoint.guard import check_compatible, check_mode, write_config
 from streamrft.checkpoint.layout import (
-    latest_checkpoint,
+    loadable_checkpoints,
     rank_file,
     read_meta,
     remove_incomplete,
     rotate,
+    set_aside,
     step_dir,
     write_json_atomic,
     write_meta,
@@ -71,43 +86,86 @@ class Checkpointer:
 
     # ---- resume ----------------------------------------------------------------------------------------
     def resume(self, stateful: dict[str, object]) -> Resumed | None:
-        """Load the latest complete checkpoint in output_dir when checkpoint.resume is on (every rank
-        calls; a collective). Returns None when starting fresh. Interrupted saves are removed first.
+        """Load the newest complete checkpoint in output_dir that loads, as checkpoint.resume allows (every
+        rank calls; a collective). Returns None when starting fresh. Interrupted saves are removed first.
+
+        A checkpoint whose files do not read back, or whose load fails on any rank, is skipped (renamed
+        ``unloadable_step_*``, with the reason said) and the next newest is tried. A checkpoint of a run
+        with other training settings is refused, not skipped (checkpoint/guard.py).
 
         ``stateful``: further per-rank objects saved from now on (built once the pipeline started)."""
         from streamrft.runtime.distributed import barrier
 
         self.stateful.update(stateful)
-        out, rank = self.cfg.output_dir, self.dist.rank
-        latest = latest_checkpoint(out)
-        if latest is not None and not self.cfg.checkpoint.resume:
-            raise ValueError(f"{latest} holds a checkpoint of an earlier run and checkpoint.resume=false; "
-                             "set checkpoint.resume=true to continue it, or choose another output_dir")
-        if rank == 0:
+        out = self.cfg.output_dir
+        check_mode(self.cfg)
+        if self.dist.rank == 0:
             remove_incomplete(out)
         barrier("checkpoint_resume")
-        if latest is None:
-            return None
-        meta = read_meta(latest)
-        if meta["world_size"] != self.dist.world_size or meta["seed"] != self.cfg.seed:
+        candidates, unreadable = loadable_checkpoints(out)
+        skipped = list(unreadable)
+        for path, reason in unreadable:
+            self._say(f"skipped checkpoint {path}: {reason}")
+        for path in candidates:
+            meta = read_meta(path)
+            check_compatible(path, meta, self.cfg, self.dist.world_size)
+            error = self._load_agreed(path, meta)
+            if error is None:
+                if skipped:
+                    self._set_aside(skipped)
+                    self._say(f"resumed from {path} (step {meta['step']}) instead of the newer checkpoint(s) above")
+                return Resumed(step=meta["step"], policy_version=meta["policy_version"], path=path)
+            self._say(f"skipped checkpoint {path}: {error}")
+            skipped.append((path, error))
+        if skipped:
             raise ValueError(
-                f"{latest} was saved with world_size={meta['world_size']}, seed={meta['seed']}; this run has "
-                f"world_size={self.dist.world_size}, seed={self.cfg.seed}; exact resume needs both equal: launch "
-                "with the same number of ranks and seed, or set checkpoint.resume=false with a new output_dir")
-        self.strategy.load(str(latest))
-        for name, model in self.models.items():
-            model.load(str(latest / name))
-        path = rank_file(latest, rank)
-        state = json.loads(path.read_text())
+                f"no checkpoint in {out}/checkpoints loads: " + "; ".join(f"{p.name}: {r}" for p, r in skipped)
+                + "; move them aside to start fresh, or pass a new output_dir")
+        return None
+
+    def _load_agreed(self, path: Path, meta: dict) -> str | None:
+        """Load ``path`` on every rank; None when every rank loaded it, else this or another rank's reason."""
+        from streamrft.runtime.distributed import all_reduce_max
+
+        import torch
+
+        error = None
+        try:
+            self.strategy.load(str(path))
+            for name, model in self.models.items():
+                model.load(str(path / name))
+            state = json.loads(rank_file(path, self.dist.rank).read_text())
+            for name in self.stateful:
+                if name not in state:
+                    raise ValueError(f"{rank_file(path, self.dist.rank)} has no state for {name!r}; was it saved "
+                                     "with other algorithm settings?")
+        except Exception as exc:  # any failure to read this checkpoint: try the next newest one
+            error = f"rank {self.dist.rank}: {type(exc).__name__}: {exc}"
+        failed = all_reduce_max(torch.tensor([0.0 if error is None else 1.0]), stage="checkpoint_resume",
+                                timeout_s=self.cfg.rollout.stage_timeout_s).item()
+        if failed and error is None:
+            return "another rank could not load it"
+        if error is not None:
+            return error
         set_rng_state(state["rng"])
         for name, obj in self.stateful.items():
-            if name not in state:
-                raise ValueError(f"{path} has no state for {name!r}; was it saved with other algorithm settings?")
             obj.load_state_dict(_from_json(state[name]))
         self.summary_before = meta.get("summary_before", {})
         self.saved_step = meta["step"]
         self._snapshot = _Snapshot(meta["step"], meta["policy_version"], state)
-        return Resumed(step=meta["step"], policy_version=meta["policy_version"], path=latest)
+        return None
+
+    def _set_aside(self, skipped: list[tuple[Path, str]]) -> None:
+        """Rank 0 renames the skipped checkpoints once every rank has decided (they are never resumed
+        from again, and the steps they held will be saved afresh)."""
+        from streamrft.runtime.distributed import barrier
+
+        barrier("checkpoint_set_aside")
+        if self.dist.rank == 0:
+            for path, reason in skipped:
+                if path.exists():
+                    self._say(f"renamed {path} to {set_aside(path, reason).name}")
+        barrier("checkpoint_set_aside_done")
 
     # ---- save ------------------------------------------------------------------------------------------
     def step_done(self, step: int, policy_version: int) -> Path | None:
@@ -151,9 +209,21 @@ class Checkpointer:
         return state
 
     def _save(self, reason: str) -> Path:
-        snap, rank = self._snapshot, self.dist.rank
+        snap = self._snapshot
         assert snap is not None
         path = step_dir(self.cfg.output_dir, snap.step)
+        try:
+            self._write(path, snap, reason)
+        except Exception as exc:
+            disk = write_failure(exc, path)
+            if disk is None:
+                raise
+            raise disk from exc
+        self.saved_step = snap.step
+        return path
+
+    def _write(self, path: Path, snap: _Snapshot, reason: str) -> None:
+        rank = self.dist.rank
         path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(rank_file(path, rank), snap.rank_state)
         started = time.perf_counter()
@@ -162,6 +232,7 @@ class Checkpointer:
             model.save(str(path / name))
         if rank == 0:
             self._write_hf_files(path / "hf")
+            write_config(path, self.cfg)
             write_meta(path, {
                 "step": snap.step,
                 "policy_version": snap.policy_version,
@@ -178,8 +249,6 @@ class Checkpointer:
                 "saved_at": time.time(),
             })
             rotate(self.cfg.output_dir, self.cfg.checkpoint.keep)
-        self.saved_step = snap.step
-        return path
 
     def _write_hf_files(self, path: Path) -> None:
         """The model's HF config and the tokenizer, so export needs nothing but the checkpoint."""
@@ -189,6 +258,59 @@ class Checkpointer:
     def _say(self, text: str) -> None:
         if self.dist.rank == 0:
             print(f"streamrft: {text}", flush=True)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written because the disk is full or a file-size limit was hit."""
+
+
+_DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "file too large (a file-size limit, "
+                "e.g. `ulimit -f`)", errno.EDQUOT: "disk quota exceeded"}
+
+
+def write_failure(exc: BaseException, path: Path) -> CheckpointWriteError | None:
+    """The disk-full / file-size reading of a failed save, or None when it is something else.
+
+    Python's own writes raise OSError with the errno. torch's C++ writer (inside torch.save and DCP)
+    turns the same failure into a RuntimeError such as "unexpected pos 704 vs 598", so for other errors
+    the cause is looked up: free space under ``path`` and the process's RLIMIT_FSIZE against the size
+    of the files written."""
+    code = _errno_in(exc)
+    if code is None:
+        code = _diagnose(path)
+    if code is None:
+        return None
+    return CheckpointWriteError(code, f"saving checkpoint {path} failed: {errno.errorcode[code]} "
+                                f"({_DISK_ERRNOS[code]}; the save raised {type(exc).__name__}: {exc}); free space "
+                                "or raise the limit, then resume: the incomplete folder is removed at the next start")
+
+
+def _errno_in(exc: BaseException | None) -> int | None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:  # the errno may sit on a wrapped cause
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+            return exc.errno
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _diagnose(path: Path) -> int | None:
+    import resource
+
+    probe = path if path.exists() else path.parent
+    try:
+        stat = os.statvfs(probe)
+        if stat.f_bavail * stat.f_frsize < 1 << 20:  # less than 1 MiB left
+            return errno.ENOSPC
+    except OSError:
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY and path.is_dir():
+        largest = max((f.stat().st_size for f in path.rglob("*") if f.is_file()), default=0)
+        if largest >= soft:
+            return errno.EFBIG
+    return None
 
 
 def _to_json(state: dict) -> dict:
@@ -209,13 +331,28 @@ def _from_json(state: dict) -> dict:
 def reset_steps_log(path: str | Path, start_step: int) -> None:
     """steps.jsonl at the start of a run: removed when starting fresh (start_step 0); on resume, kept
     through step ``start_step`` and appended to afterwards (lines of steps that will run again, logged
-    after the checkpoint was taken, are dropped so each step appears once)."""
+    after the checkpoint was taken, are dropped so each step appears once).
+
+    A torn last line (the disk filled, or the process died, while it was written) is cut off with a
+    message naming the file; a bad line elsewhere is an error naming the file and line."""
     path = Path(path)
     if start_step == 0 or not path.exists():
         path.unlink(missing_ok=True)
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= start_step]
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError) as exc:
+            if number < len(lines):
+                raise ValueError(f"{path}, line {number}: not a step record ({type(exc).__name__}: {exc}); "
+                                 "remove or fix that line to resume") from None
+            print(f"streamrft: {path}: the last line (line {number}) is torn ({line[:60]!r}); cut it off",
+                  flush=True)
+            continue
+        if step <= start_step:
+            kept.append(line)
     if len(kept) != len(lines):
         write_text = "".join(line + "\n" for line in kept)
         tmp = path.with_name(path.name + ".tmp")

@@ -156,10 +156,11 @@ def test_existing_checkpoints_need_resume_on_and_the_same_world_size(dist, model
     ckpt.step_done(1, policy_version=1)
     step_dir(tmp_path, 7).mkdir()  # an interrupted save: removed on resume, never loaded
     off = Checkpointer(config(model_dir, tmp_path, resume=False), dist, strategy, Accounting())
-    with pytest.raises(ValueError, match="step_00000001 holds a checkpoint of an earlier run and checkpoint.resume=false"):
+    with pytest.raises(ValueError, match="step_00000001 holds a checkpoint of an earlier run and checkpoint.resume=never"):
         off.resume({})
     meta_path = step_dir(tmp_path, 1) / "meta.json"
     meta_path.write_text(meta_path.read_text().replace('"world_size": 1', '"world_size": 2'))
+    (step_dir(tmp_path, 1) / "rank_00001.json").write_text(rank_file(step_dir(tmp_path, 1), 0).read_text())
     with pytest.raises(ValueError, match="saved with world_size=2, seed=3; this run has world_size=1, seed=3"):
         Checkpointer(cfg, dist, strategy, Accounting()).resume({})
     assert not step_dir(tmp_path, 7).exists()
