@@ -137,6 +137,7 @@ class AsyncLearnerPipeline:
             self.procs.append(subprocess.Popen([sys.executable, "-m", "streamrft.runtime.engine_worker", str(path)],
                                                stdout=log, stderr=subprocess.STDOUT, env=env))
             log.close()
+            (folder / f"engine{e}.pid").write_text(str(self.procs[-1].pid))
         group = weights_group(self.store, 0, self.n_engines + 1, self.cfg.rollout.stage_timeout_s)
         self.publisher = WeightPublisher(group, src_rank=0, timeout_s=self.cfg.rollout.stage_timeout_s, rank=0)
 

@@ -83,7 +83,7 @@ async def serve(cfg, spec: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     module = load_pretrained(cfg.model.path, cfg.model, _DTYPES[cfg.model.dtype] if device.type == "cuda" else torch.float32)
     module.to(device).eval()
-    engine = build_engine(cfg.engine, module, tokenizer, device, model_path=cfg.model.path)
+    engine = build_engine(cfg.engine, module, tokenizer, device, model_path=cfg.model.path, own_weights=True)
     d = cfg.data
     dataset = PromptDataset(d.train_path, d.prompt_field, d.reference_field, d.label_field)
     scorer = build_reward_scorer(cfg.reward)
@@ -124,7 +124,7 @@ async def serve(cfg, spec: dict) -> None:
 
     async def load(version: int, named: list) -> None:
         await engine.update_weights(named, version)
-        await engine.wait_version(version)  # loaded (between decode chunks when generating)
+        await engine.wait_version(version, timeout_s)  # loaded (between decode steps when generating)
         await gate.set_version(version)
         if not gate.open:
             ctx.rollout_active.set()
