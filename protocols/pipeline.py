@@ -137,3 +137,4 @@ class Control(Message, kw_only=True):
     # "failed/<reason>") and when it was generating (wall-clock [start, end, start, end, ...] seconds)
     counts: dict[str, int] = {}
     busy: list[float] = []
+    first_failures: dict[str, str] = {}  # failure kind -> the first full reason of the step (the failure policy)

@@ -248,14 +248,16 @@ class AsyncFeed(LearnerFeed):
         return await super().handle(header, tensors)
 
     def _settle_report(self, report: Control) -> None:
-        acct, counts = self.ctx.accounting, report.counts
-        acct.admit(counts.get("admitted", 0))
+        """Counted under the reporting step (the failure policy reads failures per step); with
+        max_staleness > 0 a report may include a few samples of the next step."""
+        acct, counts, step = self.ctx.accounting, report.counts, report.step
+        acct.admit(counts.get("admitted", 0), step=step)
         for key, n in counts.items():
             kind, _, reason = key.partition("/")
             if kind == "filtered":
-                acct.filter(reason, n)
+                acct.filter(reason, n, step=step)
             elif kind == "failed":
-                acct.fail(reason, n)
+                acct.fail(report.first_failures.get(reason, reason), n, step=step)
         self.pipeline.generated_tokens += counts.get("generated_tokens", 0)
         busy = report.busy
         self.pipeline.engine_busy += [(busy[i], busy[i + 1]) for i in range(0, len(busy) - 1, 2)]

@@ -32,7 +32,9 @@ class LearnerRouter:
             return
         if isinstance(header, Control) and header.signal == "end_of_step":
             self.accounting.check_step(header.step)  # every sample of the step is handed off, filtered or failed
-            first = Control(signal="end_of_step", step=header.step, counts=self._report(), busy=self._busy())
+            _, firsts = self.accounting.take_step_failures(header.step)
+            first = Control(signal="end_of_step", step=header.step, counts=self._report(), busy=self._busy(),
+                            first_failures=dict(firsts))
             for rank, sender in enumerate(self.senders):
                 await sender.send(first if rank == 0 else header, timeout=timeout)
             return
