@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Protocol
 
@@ -27,15 +29,17 @@ class GeneratedSample:
     # (after temperature, top-k, top-p); len == len(response_ids)
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    # the version the row started under (its first token's; the oldest of ``token_versions``)
     policy_version: int
     seconds: float = 0.0  # wall time from the batch start to this sample's end
-    # per response token: the policy version that sampled it ([] = all ``policy_version``); differs within a
-    # row only when a weight update lands mid-generation
+    # per response token: the policy version that sampled it (len == len(response_ids); every engine fills
+    # it); differs within a row only when a weight update lands mid-generation (hf with own_weights)
     token_versions: list[int] = field(default_factory=list)
     extras: dict = field(default_factory=dict)
 
 
 class RolloutEngine(Protocol):
+    # the version of the weights the engine samples with now; tokens sampled from now on carry it
     policy_version: int
 
     def generate(self, requests: list[GenerationRequest]) -> AsyncIterator[GeneratedSample]:
@@ -49,5 +53,25 @@ class RolloutEngine(Protocol):
     async def wake(self) -> None: ...
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights (bucketed by the caller) and set ``policy_version = version``."""
+        """Load new weights (bucketed by the caller) and set ``policy_version = version``. The hf engine with
+        ``own_weights`` also takes this while ``generate()`` runs (docs/engines.md, "In-flight weight
+        updates"): then it may return with the version staged, not yet loaded; ``wait_version`` says when."""
         ...
+
+    async def wait_version(self, version: int, timeout_s: float = 600.0) -> None:
+        """Return once ``policy_version >= version`` (the weights of ``version`` are loaded and sample the next
+        tokens); TimeoutError after ``timeout_s``."""
+        ...
+
+
+async def wait_for_version(engine: RolloutEngine, version: int, timeout_s: float, staged: str = "") -> None:
+    """``wait_version`` by polling ``engine.policy_version``: works from any thread's event loop and is
+    cancellable (a threading.Condition wait in a worker thread would be neither). ``staged`` describes
+    what the engine holds back, for the error."""
+    deadline = time.monotonic() + timeout_s
+    while engine.policy_version < version:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine: the weights of version {version} are not loaded after {timeout_s:g}s (it "
+                               f"samples with version {engine.policy_version}{staged}); was "
+                               f"update_weights(..., {version}) called?")
+        await asyncio.sleep(0.002)

@@ -1,8 +1,10 @@
 """The embedded rollout engine: batched, KV-cached sampling with a Hugging Face causal LM in process.
 
 In colocated mode (the default) ``module`` IS the learner's model (possibly FSDP2-sharded; the caller
-unshards it before ``generate``); the engine never copies it. A non-colocated copy receives weights
-through ``update_weights``.
+unshards it before ``generate``); the engine never copies it, and its weights change only while no
+``generate()`` runs. With ``own_weights=True`` (the async placement's engine process) ``module`` is a
+private copy that receives weights through ``update_weights`` at any time, also mid-generation: see
+"In-flight weight updates" below and docs/engines.md.
 
 Decoding, per chunk of at most ``engine.max_batch_size`` requests:
 
@@ -24,6 +26,16 @@ Decoding, per chunk of at most ``engine.max_batch_size`` requests:
 
 Every forward runs in a worker thread (``asyncio.to_thread``), so other coroutines of the event loop
 (reward scoring, channels) progress while the model computes.
+
+In-flight weight updates (``own_weights=True``): ``update_weights(named, v)`` waits for the forward in
+progress (``_forward_lock``), copies the tensors in and sets ``policy_version = v``; no forward ever sees
+half of a version. The next decode step of every text chunk in flight notices that its KV cache was
+computed under an older version and re-prefills its unfinished rows (prompt + tokens so far) under the
+new weights, so every token's log-prob is the one a full forward under the version that sampled it gives
+(``token_versions`` records that version per token). Chunks that cannot be re-prefilled (static cache:
+weights are concatenated per chunk; multimodal prompts: the media would have to be encoded again)
+*pin* the weights: an update arriving meanwhile is staged (``pending_version``) and loaded when the last
+pinned chunk ends. ``wait_version(v)`` returns once ``v`` is loaded.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterable
 import torch
 from transformers import DynamicCache
 
-from streamrft.engines.base import GeneratedSample, GenerationRequest
+from streamrft.engines.base import GeneratedSample, GenerationRequest, wait_for_version
 from streamrft.engines.sampling import logprob_of, process_logits, sample_tokens
 
 if TYPE_CHECKING:
@@ -84,6 +96,22 @@ class _Row:
     generator: torch.Generator
     response_ids: list[int]
     logprobs: list[float]
+    versions: list[int]  # per response token: the policy version that sampled it
+
+
+@dataclass
+class _Chunk:
+    """Decode state of one chunk's unfinished rows: the next forward's inputs and the KV cache, which
+    holds keys/values computed under weights of ``version`` (None before the first forward)."""
+
+    rows: list[_Row]
+    cache: DynamicCache
+    input_ids_BL: torch.Tensor
+    mask_BL: torch.Tensor
+    position_ids_BL: torch.Tensor
+    extra: dict[str, torch.Tensor]  # prefill-only media inputs
+    pinned: bool  # weights may not change under this chunk (multimodal prompts)
+    version: int | None = None
 
 
 class HFEngine:
@@ -97,9 +125,13 @@ class HFEngine:
         pad_token_id: int,
         device: torch.device,
         policy_version: int = 0,
+        own_weights: bool = False,
     ):
         validate_engine_config(cfg)
         self.module = module
+        # True: ``module`` is this engine's private copy (async placement), so update_weights may land while
+        # generate() runs; False: it is the learner's model, whose weights must not change under a generate()
+        self.own_weights = own_weights
         self.cfg = cfg
         eos = frozenset() if cfg.ignore_eos else frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(cfg.stop_token_ids) | eos
@@ -128,6 +160,15 @@ class HFEngine:
         # held by the worker thread for each forward: a cancelled generate() leaves its thread running, and
         # FSDP swaps the module's registered parameters during a forward (see quiesce)
         self._forward_lock = threading.Lock()
+        # weight switching (own_weights): chunks in flight that pin the weights, and what waits for them.
+        # Lock order: _switch_lock, then _forward_lock.
+        self._switch_lock = threading.Lock()
+        self._pinned = 0
+        self._staged: dict[str, torch.Tensor] = {}
+        # the newest version handed to update_weights and not loaded yet (staged behind a pinned chunk, or
+        # being copied in); None when policy_version is the newest
+        self.pending_version: int | None = None
+        self.reprefills = 0  # chunks re-prefilled after a weight switch (tests, logs)
 
     # ------------------------------------------------------------------ generation
 
@@ -154,12 +195,21 @@ class HFEngine:
             if self.cfg.static_cache:
                 from streamrft.engines.hf_fast import generate_chunk_static
 
-                chunk_fn = lambda reqs, t0: generate_chunk_static(self, reqs, t0)  # noqa: E731
+                chunk_fn = lambda reqs, t0: self._pinned_chunk(generate_chunk_static(self, reqs, t0))  # noqa: E731
             for lo in range(0, len(requests), size):
                 async for sample in chunk_fn(requests[lo : lo + size], start):
                     yield sample
         finally:
             self._exit()
+
+    async def _pinned_chunk(self, chunk: AsyncIterator[GeneratedSample]) -> AsyncIterator[GeneratedSample]:
+        """Run ``chunk`` with the weights pinned: an update meanwhile is staged until it ends."""
+        self._pin()
+        try:
+            async for sample in chunk:
+                yield sample
+        finally:
+            self._unpin()
 
     async def generate_all(
         self, requests: list[GenerationRequest], mm_inputs: dict[str, dict[str, torch.Tensor]] | None = None,
@@ -207,29 +257,39 @@ class HFEngine:
                 generator=torch.Generator(device=self.device).manual_seed(r.seed),
                 response_ids=[],
                 logprobs=[],
+                versions=[],
             )
             for r in requests
         ]
-        cache = _new_cache(self.module)
         input_ids_BL, mask_BL, position_ids_BL = self._left_pad([r.prompt_ids for r in requests])
-        extra: dict[str, torch.Tensor] = {}  # prefill-only media inputs
+        extra: dict[str, torch.Tensor] = {}
         if mm_inputs:
             input_ids_BL, mask_BL, position_ids_BL, extra = self._multimodal_prefill(requests, mm_inputs)
+        chunk = _Chunk(rows, _new_cache(self.module), input_ids_BL, mask_BL, position_ids_BL, extra,
+                       pinned=bool(mm_inputs))
+        if chunk.pinned:
+            self._pin()
+        try:
+            async for sample in self._decode(chunk, start):
+                yield sample
+        finally:
+            if chunk.pinned:
+                self._unpin()
+            del chunk
+
+    async def _decode(self, chunk: _Chunk, start: float) -> AsyncIterator[GeneratedSample]:
         step = 0
-        while rows:
+        while chunk.rows:
             temperature = self.cfg.temperature
             if step == 0 and self.cfg.first_token_temperature > 0:
                 temperature = self.cfg.first_token_temperature
-            tokens, logps = await asyncio.to_thread(
-                self._step, input_ids_BL, mask_BL, position_ids_BL, cache, [r.generator for r in rows], temperature,
-                extra,
-            )
-            extra = {}
+            tokens, logps, version = await asyncio.to_thread(self._step, chunk, temperature)
             keep: list[int] = []
             finished: list[GeneratedSample] = []
-            for i, (row, token, logp) in enumerate(zip(rows, tokens, logps)):
+            for i, (row, token, logp) in enumerate(zip(chunk.rows, tokens, logps)):
                 row.response_ids.append(token)
                 row.logprobs.append(logp)
+                row.versions.append(version)
                 if token in self.stop_token_ids:
                     reason = "stop"
                 elif len(row.response_ids) >= row.max_new_tokens:
@@ -242,28 +302,29 @@ class HFEngine:
                     response_ids=row.response_ids,
                     logprobs=row.logprobs,
                     finish_reason=reason,
-                    policy_version=self.policy_version,
+                    policy_version=row.versions[0],
                     seconds=time.perf_counter() - start,
+                    token_versions=row.versions,
                 ))
             for sample in finished:
                 yield sample
             if not keep:
                 break
             tokens_B1 = torch.tensor(tokens, device=self.device).unsqueeze(-1)
-            if len(keep) < len(rows):
+            mask_BL, position_ids_BL = chunk.mask_BL, chunk.position_ids_BL
+            if len(keep) < len(chunk.rows):
                 keep_B = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(keep_B)
+                chunk.cache.batch_select_indices(keep_B)
                 mask_BL, tokens_B1 = mask_BL[keep_B], tokens_B1[keep_B]
                 position_ids_BL = position_ids_BL[:, keep_B] if position_ids_BL.dim() == 3 else position_ids_BL[keep_B]
-                rows = [rows[i] for i in keep]
-            input_ids_BL = tokens_B1
-            mask_BL = torch.cat([mask_BL, torch.ones_like(mask_BL[:, :1])], dim=1)
+                chunk.rows = [chunk.rows[i] for i in keep]
+            chunk.input_ids_BL = tokens_B1
+            chunk.mask_BL = torch.cat([mask_BL, torch.ones_like(mask_BL[:, :1])], dim=1)
             if position_ids_BL.dim() == 3 and step == 0:  # M-RoPE: next text position = max position + 1
-                position_ids_BL = position_ids_BL.amax(dim=(0, 2), keepdim=True).expand(3, -1, 1) + 1
+                chunk.position_ids_BL = position_ids_BL.amax(dim=(0, 2), keepdim=True).expand(3, -1, 1) + 1
             else:
-                position_ids_BL = position_ids_BL[..., -1:] + 1
+                chunk.position_ids_BL = position_ids_BL[..., -1:] + 1
             step += 1
-        del cache
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """input_ids (B, L), attention_mask (B, L), position_ids (B, L) for left-padded prompts."""
@@ -300,36 +361,43 @@ class HFEngine:
         input_ids_BL, mask_BL, position_ids = kwargs.pop("input_ids"), kwargs.pop("attention_mask"), kwargs.pop("position_ids")
         return input_ids_BL, mask_BL, position_ids, kwargs
 
-    def _step(
-        self,
-        input_ids_BL: torch.Tensor,
-        mask_BL: torch.Tensor,
-        position_ids_BL: torch.Tensor,
-        cache: DynamicCache,
-        generators: list[torch.Generator],
-        temperature: float,
-        extra: dict[str, torch.Tensor] | None = None,
-    ) -> tuple[list[int], list[float]]:
-        """One forward (prefill or decode) and one sampled token per row; runs in a worker thread,
-        so grad mode is set here (it is thread-local)."""
+    def _step(self, chunk: _Chunk, temperature: float) -> tuple[list[int], list[float], int]:
+        """One forward (prefill, re-prefill or decode) and one sampled token per row, and the policy version
+        that sampled them. Runs in a worker thread, so grad mode is set here (it is thread-local).
+
+        Under ``_forward_lock`` the weights cannot change (update_weights takes it too), so the version read
+        here is the one of every weight this forward uses. A cache computed under an older version is
+        dropped and the rows' prompts + tokens so far are prefilled again: decoding on old keys/values would
+        give log-probs of neither version."""
         with self._forward_lock, torch.no_grad():
+            version = self.policy_version
+            if chunk.version is not None and chunk.version != version:
+                if chunk.pinned:  # _pin forbids this; a new code path that forgets to pin must not go on silently
+                    raise RuntimeError(f"HFEngine: weights switched from version {chunk.version} to {version} "
+                                       "under a pinned chunk")
+                chunk.input_ids_BL, chunk.mask_BL, chunk.position_ids_BL = self._left_pad(
+                    [row.request.prompt_ids + row.response_ids for row in chunk.rows])
+                chunk.cache = _new_cache(self.module)
+                self.reprefills += 1
+            chunk.version = version
             out = self.module(
-                input_ids=input_ids_BL,
-                attention_mask=mask_BL,
-                position_ids=position_ids_BL,
+                input_ids=chunk.input_ids_BL,
+                attention_mask=chunk.mask_BL,
+                position_ids=chunk.position_ids_BL,
                 use_cache=True,
                 logits_to_keep=1,
-                **{self._cache_kwarg: cache},
-                **(extra or {}),
+                **{self._cache_kwarg: chunk.cache},
+                **chunk.extra,
             )
+            chunk.extra = {}
             raw_BV = out.logits[:, -1, :]
             if self._banned_ids:
                 raw_BV = raw_BV.clone()
                 raw_BV[:, self._banned_ids] = float("-inf")
             logits_BV = process_logits(raw_BV, temperature, self.cfg.top_k, self.cfg.top_p)
-            tokens_B = sample_tokens(logits_BV, generators)
+            tokens_B = sample_tokens(logits_BV, [row.generator for row in chunk.rows])
             logp_B = logprob_of(logits_BV, tokens_B)
-        return tokens_B.tolist(), logp_B.tolist()
+        return tokens_B.tolist(), logp_B.tolist(), version
 
     # ------------------------------------------------------------------ lifecycle and weights
 
@@ -365,22 +433,100 @@ class HFEngine:
         self._asleep = False
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy tensors into the module's parameters/buffers by name, then set ``policy_version``.
+        """Copy tensors into the module's parameters/buffers by name, then set ``policy_version = version``.
 
         Names are the module's own ``state_dict`` names (tied weights may appear under either name).
         In colocated mode the module already is the learner's model: call ``update_weights([], version)``,
-        which only bumps the version.
+        which only bumps the version; there any call while a ``generate()`` runs is an error.
+
+        With ``own_weights=True`` this may be called while ``generate()`` runs (from this event loop, or
+        from another thread's): it waits for the forward in progress, loads the version whole and returns
+        (text chunks re-prefill at their next step); with a pinned chunk in flight (static cache,
+        multimodal prompts) it stages a copy and returns at once, ``pending_version = version``, and the
+        copy is loaded when the last pinned chunk ends. ``await wait_version(version)`` returns once loaded.
+        While generating, each version must arrive in one call: a second call for the version already
+        loaded would change weights under tokens already labelled with it.
         """
+        named = list(named_tensors)  # a bucket iterator is drained before anything changes
+        self._check_update(named, version)
+        if not self.own_weights:
+            self._copy_in(named)
+            self.policy_version = version
+            return
+        await asyncio.to_thread(self._load_or_stage, named, version)
+
+    async def wait_version(self, version: int, timeout_s: float = 600.0) -> None:
+        """Return once the weights of ``version`` (or newer) are loaded: tokens sampled from then on carry it."""
+        staged = f", version {self.pending_version} staged behind {self._pinned} pinned chunk(s)" if self._pinned else ""
+        await wait_for_version(self, version, timeout_s, staged)
+
+    def _check_update(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Every error before any weight changes: version order, the generate() rule, names, shapes."""
+        newest = max(self.policy_version, self.pending_version if self.pending_version is not None else -1)
+        if version < newest:
+            raise ValueError(f"update_weights: version {version} is older than the engine's version {newest}; "
+                             "weight pushes must not go back in time")
+        if self._active and not self.own_weights:
+            raise RuntimeError(f"HFEngine.update_weights(version={version}) called with {self._active} generate() "
+                               "calls in flight on the learner's own module (own_weights=False): its weights may "
+                               "not change under them; finish the rollout first, or give the engine a private "
+                               "copy with own_weights=True")
+        if self._active and named and version == newest:
+            raise ValueError(f"update_weights: version {version} is already loaded and generate() is running; "
+                             "while generating, send each version whole in one call (rows would otherwise sample "
+                             "from partly updated weights under one version label)")
+        targets = self._targets()
+        for name, tensor in named:
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"update_weights: the engine's module has no parameter named {name!r}; "
+                                 "send names from the same model class (state_dict names)")
+            if target.shape != tensor.shape:
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)} but the engine "
+                                 f"expects {tuple(target.shape)}")
+
+    def _targets(self) -> dict[str, torch.Tensor]:
         targets = dict(self.module.named_parameters(remove_duplicate=False))
         targets.update(dict(self.module.named_buffers(remove_duplicate=False)))
+        return targets
+
+    def _copy_in(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        targets = self._targets()
         with torch.no_grad():
-            for name, tensor in named_tensors:
-                target = targets.get(name)
-                if target is None:
-                    raise ValueError(f"update_weights: the engine's module has no parameter named {name!r}; "
-                                     "send names from the same model class (state_dict names)")
-                if target.shape != tensor.shape:
-                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)} but the engine "
-                                     f"expects {tuple(target.shape)}")
-                target.copy_(tensor)
-        self.policy_version = version
+            for name, tensor in named:
+                targets[name].copy_(tensor)
+
+    def _load_or_stage(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Worker thread: load the version now, between two forwards, or stage it behind pinned chunks."""
+        with self._switch_lock:
+            if self._pinned:
+                targets = self._targets()
+                for name, tensor in named:  # a copy: the caller may reuse its bucket buffers
+                    target = targets[name]
+                    self._staged[name] = tensor.detach().to(target.device, target.dtype, copy=True)
+                self.pending_version = version
+                return
+            self.pending_version = version
+            with self._forward_lock:
+                self._copy_in(named)
+                self.policy_version = version
+            self.pending_version = None
+
+    def _pin(self) -> None:
+        """A chunk that cannot re-prefill starts: weights stay as they are until it ends."""
+        with self._switch_lock:
+            self._pinned += 1
+
+    def _unpin(self) -> None:
+        """A pinned chunk ended; the last one loads what was staged meanwhile. Synchronous on purpose: it runs
+        in a generator's ``finally``, where an await could be skipped by a second cancellation and leave the
+        version staged for ever; the copy is one version's worth, done at most once per version."""
+        with self._switch_lock:
+            self._pinned -= 1
+            if self._pinned or self.pending_version is None:
+                return
+            with self._forward_lock:
+                self._copy_in(self._staged.items())
+                self.policy_version = self.pending_version
+            self._staged.clear()
+            self.pending_version = None

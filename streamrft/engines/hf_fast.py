@@ -337,6 +337,7 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
     at the first host check (every ``engine.sync_every`` steps) after they finish. Steps are queued in
     blocks of ``sync_every`` and the host reads block k while the GPU decodes block k + 1."""
     cfg = engine.cfg
+    version = engine.policy_version  # the engine pins its weights while this chunk runs (HFEngine._pin)
     limits = [cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in requests]
     n_new = max(limits)
 
@@ -410,7 +411,8 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
                 pending.discard(i)
                 yield GeneratedSample(request_id=requests[i].request_id, response_ids=tokens_BN[i, :n].tolist(),
                                       logprobs=logp_BN[i, :n].tolist(), finish_reason=reason,
-                                      policy_version=engine.policy_version, seconds=time.perf_counter() - start)
+                                      policy_version=version, seconds=time.perf_counter() - start,
+                                      token_versions=[version] * n)
     finally:
         for block in blocks:  # the queued steps still use the decoder's buffers and graph
             block.wait()

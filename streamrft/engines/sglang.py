@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterable
 import torch
 
 from streamrft.config.validate import validate_sampling  # shared by every engine
-from streamrft.engines.base import GeneratedSample, GenerationRequest
+from streamrft.engines.base import GeneratedSample, GenerationRequest, wait_for_version
 
 if TYPE_CHECKING:
     from streamrft.config.engine import EngineConfig
@@ -150,7 +150,8 @@ class SGLangEngine:
         if len(logps) != len(ids):
             raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(logps)} log-probs for {r.request_id!r}")
         return GeneratedSample(request_id=r.request_id, response_ids=ids, logprobs=logps, finish_reason=reason,
-                               policy_version=self.policy_version, seconds=time.perf_counter() - start)
+                               policy_version=self.policy_version, seconds=time.perf_counter() - start,
+                               token_versions=[self.policy_version] * len(ids))
 
     async def generate(self, requests: list[GenerationRequest]) -> AsyncIterator[GeneratedSample]:
         """Yield each sample as soon as its own call returns."""
@@ -186,6 +187,10 @@ class SGLangEngine:
         started = time.perf_counter()
         await self._call("/resume_memory_occupation", {"tags": None})
         self.timings["wake"] = time.perf_counter() - started
+
+    async def wait_version(self, version: int, timeout_s: float = 600.0) -> None:
+        """update_weights loads a version before it returns (never mid-generation): this only checks."""
+        await wait_for_version(self, version, timeout_s)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push one bucket (HF names), then set ``policy_version``; a version below the engine's is an error."""

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterable
 
 import torch
 
-from streamrft.engines.base import GeneratedSample, GenerationRequest
+from streamrft.engines.base import GeneratedSample, GenerationRequest, wait_for_version
 from streamrft.config.validate import validate_sampling
 from streamrft.engines.sglang import http_json
 
@@ -322,7 +322,8 @@ class VLLMEngine:
                                "expected 'stop' or 'length'")
         return GeneratedSample(request_id=req.request_id, response_ids=[int(t) for t in ids],
                                logprobs=[float(x) for x in logps], finish_reason=reason,
-                               policy_version=self.policy_version, seconds=time.perf_counter() - start)
+                               policy_version=self.policy_version, seconds=time.perf_counter() - start,
+                               token_versions=[self.policy_version] * len(ids))
 
     async def _remote_one(self, req: GenerationRequest, start: float) -> GeneratedSample:
         body = {"model": self.model_path, "prompt": list(req.prompt_ids), "return_token_ids": True,
@@ -364,6 +365,10 @@ class VLLMEngine:
                 await asyncio.to_thread(self._inproc.llm.wake_up, tags)
             self._inproc.asleep, self._inproc.weights_awake = False, True
         self.timings["wake"] = time.perf_counter() - started
+
+    async def wait_version(self, version: int, timeout_s: float = 600.0) -> None:
+        """update_weights loads a version before it returns (never mid-generation): this only checks."""
+        await wait_for_version(self, version, timeout_s)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load one bucket of HF-named tensors into every worker, then set ``policy_version = version``.
