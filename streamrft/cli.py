@@ -163,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     except FailurePolicyError as exc:  # too many samples failed: the cause, not a traceback
         print(f"streamrft: error: {exc}", file=sys.stderr, flush=True)
         return 3
+    except OSError as exc:  # a checkpoint save on a full disk / past a file-size limit: said as such, no traceback
+        from streamrft.checkpoint.manager import CheckpointWriteError
+
+        if not isinstance(exc, CheckpointWriteError):
+            raise
+        print(f"streamrft: error: {exc.strerror}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as exc:
         print(str(exc) or "streamrft: interrupted", file=sys.stderr)
         return 130

@@ -212,9 +212,11 @@ class Checkpointer:
         snap = self._snapshot
         assert snap is not None
         path = step_dir(self.cfg.output_dir, snap.step)
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
         try:
             self._write(path, snap, reason)
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:
             disk = write_failure(exc, path)
             if disk is None:
                 raise
@@ -280,8 +282,9 @@ def write_failure(exc: BaseException, path: Path) -> CheckpointWriteError | None
         code = _diagnose(path)
     if code is None:
         return None
-    return CheckpointWriteError(code, f"saving checkpoint {path} failed: {errno.errorcode[code]} "
-                                f"({_DISK_ERRNOS[code]}; the save raised {type(exc).__name__}: {exc}); free space "
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return CheckpointWriteError(code, f"saving checkpoint {path} failed: {errno.errorcode[code]}, "
+                                f"{_DISK_ERRNOS[code]} (the save raised {type(exc).__name__}: {said}); free space "
                                 "or raise the limit, then resume: the incomplete folder is removed at the next start")
 
 
@@ -291,6 +294,10 @@ def _errno_in(exc: BaseException | None) -> int | None:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
             return exc.errno
+        for wrapped in getattr(exc, "failures", {}).values():  # DCP's CheckpointException: rank -> (exc, trace)
+            code = _errno_in(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+            if code is not None:
+                return code
         exc = exc.__cause__ or exc.__context__
     return None
 
