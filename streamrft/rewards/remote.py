@@ -159,9 +159,14 @@ class RemoteRewardClient:
                     f"{len(rewards)} rewards for {len(items)} samples"
                 )
             return rewards
+        hint = ""
+        if self._is_zmq and last.startswith("no reply"):  # ZeroMQ cannot tell "nobody listens" from "slow"
+            hint = "; is `streamrft serve-reward` running at that address, and does it finish within reward.timeout_s?"
+        attempts = self.retries + 1
         raise RemoteRewardError(
-            f"remote reward service {self.address}: request {request_id} failed after "
-            f"{self.retries + 1} attempts of {self.timeout_s}s each; last: {last}"
+            f"remote reward service {self.address}: request {request_id} failed after {attempts} "
+            f"attempt{'s' if attempts > 1 else ''} (reward.timeout_s={self.timeout_s:g}, reward.retries={self.retries}); "
+            f"last: {last}{hint}"
         )
 
     # --- ZeroMQ ---------------------------------------------------------------------------------

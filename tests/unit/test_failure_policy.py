@@ -119,6 +119,7 @@ CASES = {
     "returns_a_string": ("custom", "string", "TypeError(\"reward must be a number, got str 'seven'\") in sample s2-p5-"),
     "times_out": ("custom", "hangs", "timeout after 0.3s (reward.timeout_s) in sample s2-p5-"),
     "service_down": ("remote", "refused", "Connection refused"),
+    "service_down_zmq": ("remote", "silent", "no reply within 0.3s; is `streamrft serve-reward` running at that address"),
     "http_500": ("remote", "500", "HTTP 500 {\"error\": \"scorer crashed\"}"),
 }
 
@@ -129,8 +130,9 @@ def test_item1_every_kind_of_reward_failure_stops_the_step_naming_source_and_cau
     if kind == "custom":
         src = RewardSourceConfig(name="my_fn", type="custom", fn=f"{funcs}:{what}")
     else:
-        src = RewardSourceConfig(name="my_fn", type="remote", address=http_500 if what == "500" else refused_address)
-    cfg = RewardConfig(sources=[src], timeout_s=0.3 if what == "hangs" else 5.0, retries=0, max_concurrency=4)
+        address = {"500": http_500, "refused": refused_address, "silent": refused_address.replace("http", "tcp")}[what]
+        src = RewardSourceConfig(name="my_fn", type="remote", address=address)
+    cfg = RewardConfig(sources=[src], timeout_s=0.3 if what in ("hangs", "silent") else 5.0, retries=0, max_concurrency=4)
     started = time.monotonic()
     sources = tallies(cfg, sample_items(6))
     assert time.monotonic() - started < 10
