@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from protocols import ProtocolError, TeacherReply, TeacherRequest, decode, encode
+from streamrft.rewards.remote import peek_request_id
 
 
 class TeacherError(RuntimeError):
@@ -43,12 +44,22 @@ class StreamRFTTeacherClient:
         self.reader = asyncio.create_task(self._read(self.sock), name="teacher-client-reader")
 
     async def _read(self, sock) -> None:
+        """Match replies to pending calls until closed. A bad reply fails the call it names (or, naming
+        none, lets that call time out); nothing a peer sends can end this task."""
         while True:
-            frames = await sock.recv_multipart()
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError:
+                return  # the socket was closed: close() is under way
             try:
                 reply = decode(frames[-1], TeacherReply)
-            except ProtocolError:
-                continue  # a malformed reply cannot be matched to a request; its request times out
+            except ProtocolError as exc:  # the only error decode raises, whatever the bytes
+                fut = self.pending.pop(peek_request_id(frames[-1]), None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(TeacherError(f"teacher {self.address}: malformed reply: {exc}"))
+                continue
             fut = self.pending.pop(reply.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)  # a late reply finds no pending future and is dropped
@@ -71,6 +82,8 @@ class StreamRFTTeacherClient:
                 continue
             if reply.error:
                 raise TeacherError(f"teacher {self.address}: {reply.error}")
+            if len(reply.logprobs) != 1:
+                raise TeacherError(f"teacher {self.address} answered one sequence with {len(reply.logprobs)} log-prob lists")
             return _check(torch.tensor(reply.logprobs[0], dtype=torch.float32), len(response_ids), self.address)
         raise TeacherError(f"{last} after {self.retries + 1} attempts")
 

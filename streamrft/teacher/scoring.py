@@ -1,19 +1,59 @@
-"""Teacher log-probs of given token ids: one padded forward per request (pure model math, no I/O)."""
+"""Teacher log-probs of given token ids (pure model math, no I/O).
+
+One padded forward through the decoder body per request, then the output head applied to the needed
+positions only, ``chunk_tokens`` rows at a time: full-vocabulary fp32 logits for a whole request
+(tokens x vocab x 4 bytes, gigabytes for a long request and a large vocabulary) never exist at once.
+"""
 
 from __future__ import annotations
 
 import torch
 
+CHUNK_TOKENS = 1024  # rows of the output head evaluated at once: 1024 x 152k vocab x 4 B = 0.6 GB at most
+
+
+def validate_request(token_ids: list[list[int]], prompt_lens: list[int], vocab_size: int, max_tokens: int) -> None:
+    """ValueError naming the sequence and field when the request cannot be scored; cheap, before any forward."""
+    if len(prompt_lens) != len(token_ids):
+        raise ValueError(f"prompt_lens has {len(prompt_lens)} entries for {len(token_ids)} sequences (one per sequence)")
+    total = sum(len(t) for t in token_ids)
+    if total > max_tokens:
+        raise ValueError(f"request holds {total} tokens, the limit is --max-tokens={max_tokens}")
+    for i, (ids, start) in enumerate(zip(token_ids, prompt_lens)):
+        if not 1 <= start <= len(ids):
+            raise ValueError(f"sequence {i}: prompt_len={start} must be in [1, {len(ids)}] (its length)")
+        if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise ValueError(f"sequence {i}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def _head_split(model):
+    """(decoder body, output head) when logits are exactly head(body(x)); None when the model post-
+    processes its logits (soft-capping, scaling), which only its own forward applies."""
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    get_decoder = getattr(model, "get_decoder", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if get_decoder is None or head is None:
+        return None
+    body = get_decoder()
+    return (body, head) if body is not None and body is not model else None
+
 
 @torch.no_grad()
-def sequence_logprobs(model, token_ids: list[list[int]], prompt_lens: list[int], pad_id: int = 0) -> list[list[float]]:
+def sequence_logprobs(model, token_ids: list[list[int]], prompt_lens: list[int], pad_id: int = 0,
+                      chunk_tokens: int = CHUNK_TOKENS) -> list[list[float]]:
     """For each sequence, log p(token_t | tokens_<t) for t in [prompt_len, len), at temperature 1.
 
     Sequences are right-padded into one batch; position ids count real tokens only, so padding does
-    not change any value.
+    not change any value. Only the ``sum(len - prompt_len)`` scored positions go through the head.
     """
     if not token_ids:
         return []
+    for i, t in enumerate(token_ids):
+        if not 1 <= prompt_lens[i] <= len(t):
+            raise ValueError(f"sequence {i}: prompt_len={prompt_lens[i]} must be in [1, {len(t)}]")
     device = next(model.parameters()).device
     L = max(len(t) for t in token_ids)
     ids = torch.full((len(token_ids), L), pad_id, dtype=torch.long)
@@ -22,14 +62,32 @@ def sequence_logprobs(model, token_ids: list[list[int]], prompt_lens: list[int],
         ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         attn[i, : len(t)] = 1
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device)).logits.float()
-    logp_BLV = torch.log_softmax(logits[:, :-1], dim=-1)
-    target = ids[:, 1:].to(device)
-    logp_BL = logp_BLV.gather(-1, target.unsqueeze(-1)).squeeze(-1).cpu()
-    out = []
+    # Row b, position p predicts token p + 1: the scored rows are p in [prompt_len - 1, len - 1).
+    rows = [(i, p) for i, t in enumerate(token_ids) for p in range(prompt_lens[i] - 1, len(t) - 1)]
+    if not rows:
+        return [[] for _ in token_ids]
+    b_idx = torch.tensor([r[0] for r in rows])
+    p_idx = torch.tensor([r[1] for r in rows])
+    targets = ids[b_idx, p_idx + 1].to(device)
+    inputs = dict(input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device))
+    split = _head_split(model)
+    if split is not None:
+        body, head = split
+        hidden = body(**inputs).last_hidden_state[b_idx.to(device), p_idx.to(device)]  # (R, H)
+        project = head
+    else:  # the model's own logits; still reduced to the scored rows before the fp32 log-softmax
+        hidden = model(**inputs).logits[b_idx.to(device), p_idx.to(device)]
+        project = None
+    out_rows = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h = hidden[start : start + chunk_tokens]
+        logits = (project(h) if project is not None else h).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        out_rows.append(logp.gather(-1, targets[start : start + chunk_tokens, None]).squeeze(-1).cpu())
+    flat = torch.cat(out_rows).tolist()
+    out, k = [], 0
     for i, t in enumerate(token_ids):
-        start = prompt_lens[i]
-        if not 1 <= start <= len(t):
-            raise ValueError(f"sequence {i}: prompt_len={start} must be in [1, {len(t)}]")
-        out.append(logp_BL[i, start - 1 : len(t) - 1].tolist())
+        n = len(t) - prompt_lens[i]
+        out.append(flat[k : k + n])
+        k += n
     return out
