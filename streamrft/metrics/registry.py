@@ -52,6 +52,8 @@ SCALAR_GAUGES: dict[str, tuple[str, dict[str, str]]] = {
     "ratio_max": ("importance_ratio_max", {}),
     "tis_clipped_fraction": ("tis_clipped_fraction", {}),
     "tis_weight_mean": ("tis_weight_mean", {}),
+    "offpolicy_masked_fraction": ("offpolicy_masked_fraction", {}),
+    "behaviour_proximal_kl": ("behaviour_proximal_kl", {}),
     "step_seconds": ("step_seconds", {}),
     "trained_tokens_per_s": ("trained_tokens_per_second", {}),
     "generated_tokens_per_s": ("generated_tokens_per_second", {}),
@@ -236,6 +238,15 @@ class PipelineMetrics:
         )
         self.tis_weight_mean = Gauge(
             "streamrft_tis_weight_mean", "Mean truncated importance-sampling weight per token.", registry=r
+        )
+        self.offpolicy_masked_fraction = Gauge(
+            "streamrft_offpolicy_masked_fraction",
+            "Fraction of response tokens masked by algorithm.offpolicy_mask (proximal/behaviour ratio out of window).",
+            registry=r,
+        )
+        self.behaviour_proximal_kl = Gauge(
+            "streamrft_behaviour_proximal_kl", "k3 KL(behaviour || proximal policy) per response token, last step.",
+            registry=r,
         )
         self.tokens_kept_fraction = Gauge(
             "streamrft_tokens_kept_fraction", "Fraction of response tokens kept in the loss (token filters).",
