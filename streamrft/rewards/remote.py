@@ -5,7 +5,7 @@ Two transports, one behaviour:
 * ``tcp://host:port``: a ZeroMQ DEALER speaking protocols.RewardRequest / RewardReply (msgpack).
 * ``http://host:port[/path]``: a JSON POST of ``{"request_id", "queries", "prompts", "references",
   "labels"}`` answered by ``{"rewards": [...]}`` (``null`` = that sample failed) or ``{"error": "..."}``;
-  ``queries`` are prompt + response, as the service's HTTP mode expects. Runs urllib in a thread.
+  ``queries`` are prompt + response, as the service's HTTP mode expects. Runs urllib in the client's own bounded daemon threads.
 
 Each call of :meth:`RemoteRewardClient.score` is one request with one id, stable across its retries,
 so the service (which caches replies by id) scores a batch once even when a reply is lost and the
@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from protocols import ProtocolError, ProtocolVersionError, RewardItem, RewardReply, RewardRequest, decode, encode
+from streamrft.rewards.bounded import BoundedExecutor
 from protocols.base import check_frame
 
 
@@ -96,6 +97,9 @@ class RemoteRewardClient:
         self._is_zmq = address.startswith("tcp://")
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context() if self._is_zmq else None
         self._idle_sockets: list[zmq.asyncio.Socket] = []
+        # HTTP: urllib blocks, so posts run in this client's own daemon threads, never in the loop's
+        # default executor that the hf engine's forwards use (a stalled service must not stall them).
+        self._http_threads = None if self._is_zmq else BoundedExecutor(f"reward-http-{address}", max_concurrency)
         self._closed = False
 
     @property
@@ -235,7 +239,7 @@ class RemoteRewardClient:
         body = json.dumps(payload).encode()
         try:
             # The outer guard covers a thread stuck past urllib's own socket timeout.
-            return await asyncio.wait_for(asyncio.to_thread(self._post, body, request_id), self.timeout_s + 1.0)
+            return await asyncio.wait_for(self._http_threads.run(self._post, body, request_id), self.timeout_s + 1.0)
         except asyncio.TimeoutError:
             self.n_timeouts += 1
             raise _Retryable(f"no reply within {self.timeout_s}s") from None
@@ -278,6 +282,8 @@ class RemoteRewardClient:
         for sock in self._idle_sockets:
             sock.close(linger=0)
         self._idle_sockets.clear()
+        if self._http_threads is not None:
+            self._http_threads.close()  # never joins a post still waiting on a stalled service
         if self._ctx is not None:
             # destroy, not term: term would wait forever for sockets of requests still in flight.
             self._ctx.destroy(linger=0)

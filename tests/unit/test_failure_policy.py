@@ -303,3 +303,28 @@ def test_item2_a_process_with_a_reward_call_hung_forever_still_exits(funcs):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "source 'h': timeout after 0.2s (reward.timeout_s)"
     assert time.monotonic() - started < 15
+
+
+def test_item2_a_stalled_http_reward_service_leaves_the_default_executor_free():
+    import socket
+
+    from streamrft.rewards.remote import RemoteRewardClient
+
+    with socket.socket() as listener:  # accepts connections (backlog), never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        client = RemoteRewardClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=1.0, max_concurrency=12, retries=0)
+
+        async def go():
+            posts = [asyncio.ensure_future(client.score(sample_items(1))) for _ in range(12)]
+            await asyncio.sleep(0.2)  # 12 posts blocked in urllib: more threads than the default executor has
+            started = time.monotonic()
+            await asyncio.gather(*(asyncio.to_thread(lambda: None) for _ in range(8)))
+            free_after = time.monotonic() - started
+            outcomes = await asyncio.gather(*posts)
+            await client.close()
+            return free_after, outcomes
+
+        free_after, outcomes = asyncio.run(go())
+    assert free_after < 0.3, f"the default executor waited {free_after:.2f}s behind stalled reward posts"
+    assert all("last: no reply within 1.0s" in str(out[0]) for out in outcomes), outcomes[0]
