@@ -125,9 +125,10 @@ class Checkpointer:
 
     def _load_agreed(self, path: Path, meta: dict) -> str | None:
         """Load ``path`` on every rank; None when every rank loaded it, else this or another rank's reason."""
-        from streamrft.runtime.distributed import all_reduce_max
-
         import torch
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+        from streamrft.runtime.distributed import all_reduce_max
 
         error = None
         try:
@@ -139,7 +140,7 @@ class Checkpointer:
                 if name not in state:
                     raise ValueError(f"{rank_file(path, self.dist.rank)} has no state for {name!r}; was it saved "
                                      "with other algorithm settings?")
-        except Exception as exc:  # any failure to read this checkpoint: try the next newest one
+        except (Exception, CheckpointException) as exc:  # any failure to read this checkpoint: try the next one
             error = f"rank {self.dist.rank}: {type(exc).__name__}: {exc}"
         failed = all_reduce_max(torch.tensor([0.0 if error is None else 1.0]), stage="checkpoint_resume",
                                 timeout_s=self.cfg.rollout.stage_timeout_s).item()
