@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
+import signal
 import sys
 
 
@@ -141,7 +144,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run one subcommand. A reader that closes the pipe early (``streamrft schema | head -1``) ends
+    the command quietly with 141 (128 + SIGPIPE, what a shell reports for ``cat`` in that pipe)."""
+    try:
+        try:
+            return _run(sys.argv[1:] if argv is None else argv)
+        finally:  # also after --help's SystemExit: buffered output meets a closed pipe here, not at exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_is_broken():
+            raise  # a socket's broken pipe (a service's peer went away) is a real error
+        # Point stdout at /dev/null: the interpreter flushes it again at exit and would print
+        # "Exception ignored ... BrokenPipeError" (the recipe in Python's signal module docs).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def _stdout_is_broken() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports POLLERR on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fileno (stdout replaced) or no poll on this platform
+        return False
+
+
+def _run(argv: list[str]) -> int:
     if argv and argv[0] in _PASSTHROUGH:
         return _PASSTHROUGH[argv[0]](argv[1:])
     parser = build_parser()

@@ -86,4 +86,6 @@ def audio_inputs(processor, prompt: str, audios: list[np.ndarray]) -> dict:
 
 
 def is_audio_model(model: torch.nn.Module) -> bool:
-    return isinstance(getattr(model, "config", None), Qwen2AudioConfig)
+    from streamrft.models.multimodal import model_kind  # the one definition (it needs no audio import)
+
+    return model_kind(model) == "audio"

@@ -36,11 +36,11 @@ def load_processor(path: str):
     registered); None for a text-only model (its tokenizer is enough)."""
     from transformers import AutoConfig, AutoProcessor
 
-    from streamrft.models.vl import register_processors
-
     model_type = getattr(AutoConfig.from_pretrained(path), "model_type", "")
     if model_type not in ("qwen2_vl", "qwen2_audio"):
-        return None
+        return None  # before importing streamrft.models.vl: a text run never imports it
+    from streamrft.models.vl import register_processors
+
     register_processors()
     return AutoProcessor.from_pretrained(path)
 

@@ -19,19 +19,25 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
 
-from streamrft.models.audio import audio_inputs, is_audio_model
-from streamrft.models.vl import is_vl_model, mrope_position_ids, register_processors, vl_inputs
+# streamrft.models.vl / .audio are imported inside the functions that need them: a text run never
+# imports them (they need the Qwen2-VL / Qwen2-Audio processors of transformers >= 5.4).
 
 # per-prompt media tensors concatenated across rows (first dim = images / patches / clips)
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "input_features",
               "feature_attention_mask")
 
 
+def _config_is(model: torch.nn.Module, class_name: str) -> bool:
+    """isinstance(model.config, <transformers class_name>) without importing that model's module."""
+    return any(cls.__name__ == class_name for cls in type(getattr(model, "config", None)).__mro__)
+
+
 def model_kind(model: torch.nn.Module) -> str:
-    """"vl" (Qwen2-VL family), "audio" (Qwen2-Audio) or "text"."""
-    if is_vl_model(model):
+    """"vl" (Qwen2-VL family: its config, or a model with M-RoPE's get_rope_index), "audio" (Qwen2-Audio)
+    or "text". Decided from class names, so asking about a text model imports no VL / audio code."""
+    if _config_is(model, "Qwen2VLConfig") or hasattr(getattr(model, "model", None), "get_rope_index"):
         return "vl"
-    if is_audio_model(model):
+    if _config_is(model, "Qwen2AudioConfig"):
         return "audio"
     return "text"
 
@@ -62,6 +68,8 @@ def load_multimodal_policy(path: str, dtype: torch.dtype = torch.float32, device
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         return model, AutoTokenizer.from_pretrained(path), "text"
+    from streamrft.models.vl import register_processors
+
     register_processors()
     model = cls.from_pretrained(path, dtype=dtype).to(device)
     return model, AutoProcessor.from_pretrained(path), model_kind(model)
@@ -76,10 +84,14 @@ def build_model_inputs(processor, prompt: str, media: dict | None = None) -> dic
     if hasattr(processor, "image_processor"):
         if audios:
             raise ValueError("this row has audio but the model is vision-language; drop the audio field")
+        from streamrft.models.vl import vl_inputs
+
         return vl_inputs(processor, prompt, images, videos)
     if hasattr(processor, "feature_extractor"):
         if images or videos:
             raise ValueError("this row has images/videos but the model is audio-language; drop the image/video field")
+        from streamrft.models.audio import audio_inputs
+
         return audio_inputs(processor, prompt, audios)
     if images or videos or audios:
         raise ValueError("this row has media but the model is text-only; set model.path to a multimodal model")
@@ -108,6 +120,8 @@ def forward_kwargs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> d
     """Inputs plus explicit position ids: (3, B, L) M-RoPE for VL, (B, L) cumsum(mask) - 1 otherwise."""
     kwargs = dict(inputs)
     if model_kind(model) == "vl":
+        from streamrft.models.vl import mrope_position_ids
+
         kwargs["position_ids"] = mrope_position_ids(model, inputs)
     else:
         kwargs["position_ids"] = (inputs["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)

@@ -184,5 +184,7 @@ def mrope_position_ids(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
 
 
 def is_vl_model(model: torch.nn.Module) -> bool:
-    return isinstance(getattr(model, "config", None), Qwen2VLConfig) or hasattr(getattr(model, "model", None), "get_rope_index")
+    from streamrft.models.multimodal import model_kind  # the one definition (it needs no VL import)
+
+    return model_kind(model) == "vl"
 

