@@ -200,3 +200,12 @@ def test_invalid_offpolicy_settings_are_config_errors(algo, message):
     with pytest.raises(ConfigError) as err:
         validate_algorithm(cfg_with(**algo))
     assert str(err.value) == message
+
+
+def test_off_written_in_yaml_or_an_override_is_the_word_not_a_boolean(tmp_path):
+    from streamrft.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  tis_mode: off\n  offpolicy_mask: token\ntrain:\n  packing: true\n")
+    cfg = load_config(path, ["algorithm.offpolicy_mask=off"])
+    assert (cfg.algorithm.tis_mode, cfg.algorithm.offpolicy_mask, cfg.train.packing) == ("off", "off", True)
