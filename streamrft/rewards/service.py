@@ -435,6 +435,8 @@ def _http_handler(service: RewardService, loop: asyncio.AbstractEventLoop):
 
         def _send(self, status: int, body: dict) -> None:
             data = json.dumps(body).encode()
+            if self.request_version == "HTTP/0.9":  # a request line the stdlib could not read: reply as 1.0,
+                self.request_version = "HTTP/1.0"  # since 0.9 replies carry no status line or headers
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))

@@ -261,3 +261,232 @@ def test_sigint_stops_the_service_cleanly(services):
     time.sleep(0.1)
     assert svc.stop(signal.SIGINT) == 0
     assert any("stopped on SIGINT" in line for line in svc.lines)
+
+
+# --- issue 16 item 7: a bounded service ----------------------------------------------------------------
+
+HANG_FUNCS = textwrap.dedent(
+    """
+    import time
+
+    def hang_on_request(response, reference):
+        if response == "hang":
+            time.sleep(3600)  # a reward function that never returns (a deadlock, a stuck sandbox)
+        return 1.0
+
+    def slow(response, reference):
+        time.sleep(1.0)
+        return 1.0
+    """
+)
+
+
+@pytest.fixture
+def hang_funcs(tmp_path) -> str:
+    path = tmp_path / "hang_funcs.py"
+    path.write_text(HANG_FUNCS)
+    return str(path)
+
+
+def http_raw(address: str, data: bytes, read_timeout: float = 10.0) -> tuple[int, dict]:
+    """Send raw bytes to the HTTP port; the status code and JSON body of the reply (0, {} when none)."""
+    host, port = address.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=read_timeout) as conn:
+        conn.sendall(data)
+        chunks = []
+        while True:
+            try:
+                chunk = conn.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        return 0, {}
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    assert b"application/json" in head, raw[:300]
+    return status, json.loads(body)
+
+
+def post(body: bytes, path: str = "/", extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def dealer(address: str) -> tuple[zmq.Context, zmq.Socket]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return ctx, sock
+
+
+def test_item7_http_health_route_and_json_errors_for_unknown_paths_and_methods(services):
+    svc = services("--fn", "arith", "--http", "127.0.0.1:0")
+    url = svc.address("http")
+    status, body = http_raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 200 and body["status"] == "ok" and body["fn"] == "arith" and body["queued"] == 0
+    status, body = http_raw(url, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 404 and body["error"].startswith("no route GET /;")
+    status, body = http_raw(url, b"GET /nope?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 404 and "GET /nope?x=1" in body["error"]
+    status, body = http_raw(url, b"DELETE / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 501 and "DELETE" in body["error"]
+    status, body = http_raw(url, b"this is not http\r\n\r\n")
+    assert status == 400 and body["error"]
+
+
+@pytest.mark.parametrize("header, status, expected", [
+    ("Content-Length: -1\r\n", 400, "Content-Length '-1' is not a byte count"),
+    ("Content-Length: ten\r\n", 400, "Content-Length 'ten' is not a byte count"),
+    ("", 411, "Content-Length is required"),
+    ("Content-Length: 1000000000000\r\n", 413, "body of 1000000000000 bytes exceeds --max-message-bytes=16777216"),
+])
+def test_item7_http_content_length_negative_missing_or_huge_gets_a_4xx_json_reply(services, header, status, expected):
+    svc = services("--fn", "arith", "--http", "127.0.0.1:0")
+    got = http_raw(svc.address("http"), f"POST / HTTP/1.1\r\nHost: x\r\n{header}\r\n".encode(), read_timeout=10)
+    assert got == (status, {"error": expected})
+    good = http_raw(svc.address("http"), post(b'{"queries": ["3"], "references": ["3"]}'))
+    assert good == (200, {"rewards": [1.0]})
+
+
+def test_item7_http_deeply_nested_json_and_missing_references_get_400_json(services):
+    svc = services("--fn", "arith", "--http", "127.0.0.1:0")
+    url = svc.address("http")
+    status, body = http_raw(url, post(b"[" * 100_000 + b"]" * 100_000))
+    assert status == 400 and "nested too deeply" in body["error"]
+    status, body = http_raw(url, post(b'{"queries": ["2+1=3"], "prompts": ["2+1="]}'))
+    assert status == 400 and body["error"] == 'arith compares with a reference: the body needs "references", one per query'
+    status, body = http_raw(url, post(b'{"queries": ["3", "4"], "references": ["3", ""]}'))
+    assert status == 400 and body["error"] == 'arith compares with a reference: "references"[1] is empty'
+
+
+def test_item7_a_function_without_references_still_scores_bodies_without_them(services):
+    svc = services("--fn", "boxed_format", "--http", "127.0.0.1:0")
+    assert http_raw(svc.address("http"), post(b'{"queries": ["\\\\boxed{1}", "no"]}')) == (200, {"rewards": [1.0, 0.0]})
+
+
+def test_item7_http_clients_that_never_send_their_body_are_timed_out_and_capped(services):
+    svc = services("--fn", "arith", "--http", "127.0.0.1:0", "--http-timeout-s", "1", "--max-queued", "4")
+    host, port = svc.address("http").removeprefix("http://").split(":")
+    stalled = []
+    for _ in range(8):  # headers promise 100 bytes, 10 arrive, then nothing
+        conn = socket.create_connection((host, int(port)), timeout=10)
+        conn.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
+        stalled.append(conn)
+        time.sleep(0.05)
+    started = time.monotonic()
+    replies = []
+    for conn in stalled:
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+        conn.close()
+        replies.append(int(data.split(b" ", 2)[1]))
+    # 4 connections were served and timed out reading the body (408); the 4 past --max-queued got 503 at once.
+    assert sorted(replies) == [408] * 4 + [503] * 4, replies
+    assert time.monotonic() - started < 5
+    assert http_raw(svc.address("http"), post(b'{"queries": ["3"], "references": ["3"]}')) == (200, {"rewards": [1.0]})
+
+
+def test_item7_a_zeromq_request_over_the_size_or_item_limit_gets_an_error_reply(services):
+    svc = services("--fn", "arith", "--max-message-bytes", "5000", "--max-items", "10")
+    big = encode(RewardRequest(request_id="big", items=items([3] * 40, reference="3" * 200)))
+    assert len(big) > 5000
+    reply = raw_roundtrip(svc.address("tcp"), big)
+    assert reply.error == f"request of {len(big)} bytes exceeds --max-message-bytes=5000"
+    many = encode(RewardRequest(request_id="many", items=items([3] * 11)))
+    assert raw_roundtrip(svc.address("tcp"), many).error == "request has 11 items, the limit is --max-items=10"
+    assert raw_roundtrip(svc.address("tcp"), encode(RewardRequest(request_id="ok", items=items([3])))).rewards == [1.0]
+
+
+def test_item7_a_full_queue_answers_busy_at_once_and_the_queued_requests_are_scored(services, hang_funcs):
+    svc = services("--fn", f"{hang_funcs}:slow", "--workers", "1", "--max-queued", "2")
+    ctx, sock = dealer(svc.address("tcp"))
+    try:
+        for i in range(5):
+            sock.send(encode(RewardRequest(request_id=f"r{i}", items=items([3]))))
+        replies = {}
+        deadline = time.monotonic() + 15
+        while len(replies) < 5 and time.monotonic() < deadline:
+            if sock.poll(1000):
+                reply = decode(sock.recv(), RewardReply)
+                replies[reply.request_id] = (reply.error, time.monotonic())
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    busy = sorted(rid for rid, (error, _) in replies.items() if error.startswith("busy: 2 requests"))
+    scored = sorted(rid for rid, (error, _) in replies.items() if not error)
+    assert busy == ["r2", "r3", "r4"] and scored == ["r0", "r1"], replies
+    assert "--max-queued=2" in replies["r2"][0]
+    assert max(replies[r][1] for r in busy) < min(replies[r][1] for r in scored)  # busy replies came first
+
+
+def test_item7_queued_bytes_are_bounded_too(services, hang_funcs):
+    svc = services("--fn", f"{hang_funcs}:slow", "--workers", "1", "--max-queued-bytes", "6000")
+    ctx, sock = dealer(svc.address("tcp"))
+    try:
+        for i in range(2):  # ~3.5 kB each: the second would pass 6000 bytes
+            sock.send(encode(RewardRequest(request_id=f"b{i}", items=items([3], reference="3" * 3500))))
+        replies = [decode(sock.recv(), RewardReply) for _ in range(2) if sock.poll(10_000)]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert [r.request_id for r in replies] == ["b1", "b0"]
+    assert replies[0].error.startswith("busy: 1 requests (") and "--max-queued-bytes=6000" in replies[0].error
+
+
+def test_item7_a_hanging_scorer_fails_its_requests_never_blocks_other_clients_and_sigterm_exits(services, hang_funcs):
+    svc = services("--fn", f"{hang_funcs}:hang_on_request", "--workers", "1", "--score-timeout-s", "1")
+    hung = [RewardItem(sample_id="h", prompt="", response="hang")]
+    ctx, sock = dealer(svc.address("tcp"))
+    try:
+        started = time.monotonic()
+        sock.send(encode(RewardRequest(request_id="hang-1", items=hung)))
+        sock.send(encode(RewardRequest(request_id="hang-2", items=hung)))
+        sock.send(encode(RewardRequest(request_id="fine", items=items([3]))))
+        replies = {}
+        while len(replies) < 3 and sock.poll(15_000):
+            reply = decode(sock.recv(), RewardReply)
+            replies[reply.request_id] = (reply, time.monotonic() - started)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert set(replies) == {"hang-1", "hang-2", "fine"}, replies
+    for rid in ("hang-1", "hang-2"):
+        assert replies[rid][0].error.startswith("scoring timed out after --score-timeout-s=1.0"), replies[rid]
+    assert replies["fine"][0].rewards == [1.0] and replies["fine"][1] < 6
+    begun = time.monotonic()
+    assert svc.stop(signal.SIGTERM) == 0  # two threads are still inside time.sleep(3600)
+    assert time.monotonic() - begun < 10
+    assert any("stopped on SIGTERM" in line and "2 timed out" in line for line in svc.lines), svc.lines
+
+
+def test_item7_http_maps_a_scoring_timeout_to_504(services, hang_funcs):
+    svc = services("--fn", f"{hang_funcs}:hang_on_request", "--score-timeout-s", "1", "--http", "127.0.0.1:0")
+    status, body = http_raw(svc.address("http"), post(b'{"queries": ["hang"]}'))
+    assert status == 504 and body["error"].startswith("scoring timed out after --score-timeout-s=1.0")
+
+
+def test_item7_a_reused_request_id_with_other_items_is_scored_anew_and_the_cache_is_bounded_in_bytes(services):
+    svc = services("--fn", "arith", "--log-requests", "--cache-bytes", "2000")
+    first = raw_roundtrip(svc.address("tcp"), encode(RewardRequest(request_id="same", items=items([3]))))
+    other = raw_roundtrip(svc.address("tcp"), encode(RewardRequest(request_id="same", items=items([4]))))
+    again = raw_roundtrip(svc.address("tcp"), encode(RewardRequest(request_id="same", items=items([4]))))
+    assert (first.rewards, other.rewards, again.rewards) == ([1.0], [0.0], [0.0])
+    assert svc.scored_ids() == ["same", "same"]  # the exact retry came from the cache
+    for i in range(20):  # ~300 bytes of cache each: "same" is evicted from a 2000-byte cache
+        raw_roundtrip(svc.address("tcp"), encode(RewardRequest(request_id=f"fill{i}", items=items([3]))))
+    raw_roundtrip(svc.address("tcp"), encode(RewardRequest(request_id="same", items=items([4]))))
+    assert svc.scored_ids().count("same") == 3
+
+
+def test_item7_bad_limit_flags_exit_2_with_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamrft.rewards.service", "--fn", "arith", "--score-timeout-s", "0"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=30,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip() == "serve-reward: error: --score-timeout-s=0.0 must be > 0"
