@@ -116,8 +116,7 @@ class AsyncLearnerPipeline:
             self._spawn_engines(start_step)
 
     def _spawn_engines(self, start_step: int) -> None:
-        from streamrft.runtime.engine_worker import weights_group
-        from streamrft.runtime.weight_sync import WeightPublisher
+        from streamrft.runtime.weight_sync import WeightPublisher, new_weights_group
 
         folder = Path(self.cfg.output_dir) / "engines"
         folder.mkdir(parents=True, exist_ok=True)
@@ -138,7 +137,7 @@ class AsyncLearnerPipeline:
                                                stdout=log, stderr=subprocess.STDOUT, env=env))
             log.close()
             (folder / f"engine{e}.pid").write_text(str(self.procs[-1].pid))
-        group = weights_group(self.store, 0, self.n_engines + 1, self.cfg.rollout.stage_timeout_s)
+        group = new_weights_group(self.store, 0, self.n_engines + 1, self.cfg.rollout.stage_timeout_s)
         self.publisher = WeightPublisher(group, src_rank=0, timeout_s=self.cfg.rollout.stage_timeout_s, rank=0)
 
     def _engine_device(self, e: int) -> str:
@@ -214,7 +213,10 @@ class AsyncLearnerPipeline:
         if self._receiver is not None:
             self._receiver.close()
         if self.tasks:
-            await asyncio.wait(self.tasks, timeout=timeout_s)
+            done, _ = await asyncio.wait(self.tasks, timeout=timeout_s)
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # retrieved: ChannelClosed at shutdown is expected
         self.tasks.clear()
         if self.publisher is not None:
             try:
@@ -275,7 +277,7 @@ class AsyncPhase:
         self.events: list[str] = []
         self.learner_busy: list[tuple[float, float]] = []
         self._train_started: float | None = None
-        self.started = time.time()
+        self.started: float | None = None  # the first version published: the engines start generating
 
     def batch_ready(self, local_samples: int) -> int:
         started = time.perf_counter()
@@ -297,6 +299,8 @@ class AsyncPhase:
         await asyncio.to_thread(self.pipeline.publish, version, buckets)
         await self.learner_engine.update_weights([], version)
         self.timings["weight_push"] = time.perf_counter() - started
+        if self.started is None:
+            self.started = time.time()
         # evaluation generates with the learner's module: full parameters kept, so ranks may run different
         # numbers of forwards (as in the colocated rollout)
         self.strategy.unshard_for_rollout()
@@ -306,9 +310,12 @@ class AsyncPhase:
         await self.pipeline.resume(version)
 
     def overlap_report(self) -> dict[str, float]:
-        """Fractions of the wall time so far with the engines busy, the learner busy, and both."""
-        wall = max(time.time() - self.started, 1e-9)
+        """Fractions of the training wall time (first version published → last train step's end) with
+        the engines busy, the learner busy, and both."""
         engine, learner = union(self.pipeline.engine_busy), union(self.learner_busy)
+        if self.started is None or not learner:
+            return {}
+        wall = max(learner[-1][1] - self.started, 1e-9)
         return {
             "engine_busy_fraction": sum(b - a for a, b in engine) / wall,
             "learner_busy_fraction": sum(b - a for a, b in learner) / wall,

@@ -43,14 +43,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def weights_group(store, rank: int, size: int, timeout_s: float):
-    """The weights process group (learner rank 0 = rank 0, engine e = rank e + 1), gloo, standalone:
-    it is not the torchrun world (engines are not torchrun ranks)."""
-    import torch.distributed as dist
-
-    return dist.ProcessGroupGloo(dist.PrefixStore("streamrft-weights", store), rank, size, timedelta(seconds=timeout_s))
-
-
 async def serve(cfg, spec: dict) -> None:
     from streamrft.data import PromptDataset
     from streamrft.engines import build_engine
@@ -64,7 +56,7 @@ async def serve(cfg, spec: dict) -> None:
     from streamrft.runtime.router import LearnerRouter
     from streamrft.runtime.scoring import RewardScorerStage, TeacherFetcherStage
     from streamrft.runtime.stage import StageContext, StageError
-    from streamrft.runtime.weight_sync import WeightSubscriber
+    from streamrft.runtime.weight_sync import WeightSubscriber, new_weights_group
     from streamrft.teacher.client import build_teacher_client
     from transformers import AutoTokenizer
 
@@ -139,7 +131,7 @@ async def serve(cfg, spec: dict) -> None:
         else:
             asyncio.run_coroutine_threadsafe(load(version, named), loop).result()
 
-    group = weights_group(store, rank + 1, n_engines + 1, timeout_s)
+    group = new_weights_group(store, rank + 1, n_engines + 1, timeout_s)  # gloo: staged through host memory
     subscriber = WeightSubscriber(group, src_rank=0, timeout_s=spec["weights_timeout_s"], rank=rank + 1)
     subscriber.start(on_weights)
     store.set(f"engine_ready/{rank}", "1")
