@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from streamrft.algorithms._masked import mask_out
-from streamrft.algorithms.ratios import LOG_RATIO_CAP, bounded_exp
+from streamrft.algorithms.ratios import LOG_RATIO_CAP
 
 
 def behaviour_log_ratio(proximal_logp_BT: Tensor, behaviour_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
@@ -113,9 +113,11 @@ def behaviour_proximal_kl(log_r_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """k3 estimate of KL(pi_beh || pi_prox) per token sampled from pi_beh: r - 1 - log r >= 0.
 
     log r is bounded to [-LOG_RATIO_CAP, LOG_RATIO_CAP] first so a single wild token (e.g. a behaviour
-    log-prob of -1e4) reports a large, finite number instead of inf."""
-    log_r_BT = log_r_BT.clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)
-    return mask_out(bounded_exp(log_r_BT) - 1.0 - log_r_BT, mask_BT)
+    log-prob of -1e4) reports a large, finite number instead of inf. Computed as expm1(x) - x: near
+    on-policy (|x| ~ 1e-5) exp(x) - 1 - x is all rounding and came out slightly negative in float32;
+    float64 keeps its x^2 / 2."""
+    x_BT = log_r_BT.clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP).to(torch.float64)  # x^2/2 is below float32's ulp of x
+    return mask_out((torch.expm1(x_BT) - x_BT).clamp(min=0.0).to(log_r_BT.dtype), mask_BT)
 
 
 def offpolicy_weight(

@@ -209,3 +209,12 @@ def test_off_written_in_yaml_or_an_override_is_the_word_not_a_boolean(tmp_path):
     path.write_text("algorithm:\n  tis_mode: off\n  offpolicy_mask: token\ntrain:\n  packing: true\n")
     cfg = load_config(path, ["algorithm.offpolicy_mask=off"])
     assert (cfg.algorithm.tis_mode, cfg.algorithm.offpolicy_mask, cfg.train.packing) == ("off", "off", True)
+
+
+def test_the_kl_near_on_policy_is_accurate_and_never_negative_in_float32():
+    x = torch.tensor([[1e-6, -3e-6, 2e-5, 0.0, -1e-3]], dtype=torch.float32)
+    _, metrics = offpolicy_weight(x, torch.zeros_like(x), torch.ones_like(x), cfg_of())
+    got = metrics["behaviour_proximal_kl"][0].double().numpy()
+    ref = np.array([math.expm1(float(v)) - float(v) for v in x[0].double()])
+    assert (got >= 0).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-15)
