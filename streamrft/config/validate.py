@@ -122,7 +122,7 @@ def validate_model(cfg) -> None:
     if not (p / "config.json").exists():
         raise ConfigError(
             f"model.path={cfg.model.path}: no config.json there; point model.path at a Hugging Face "
-            "model directory (for the demo, `streamrft demo` builds one)"
+            "model directory (for the arith demo, `make demo` or pipelines/arith/prepare.py builds one in runs/arith/sft)"
         )
 
 

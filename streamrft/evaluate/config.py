@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -48,3 +49,40 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         raise ConfigError(f"prompt_template={cfg.prompt_template!r} must contain {{prompt}}")
     if cfg.limit < 0:
         raise ConfigError(f"limit={cfg.limit} must be >= 0 (0 = all problems)")
+    if cfg.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
+
+
+def max_positions(model_path: str) -> int | None:
+    """The model's max_position_embeddings from its config.json (a VL model's text_config), read without
+    loading the model; None when the config does not say."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model_path={model_path!r}: config.json cannot be read: {exc}") from None
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_prompt_lengths(cfg: EvalConfig, prompt_lengths: list[int]) -> None:
+    """Every prompt plus max_new_tokens must fit the model's positions (checked on the tokenized
+    prompts, before the model is loaded): a ConfigError naming the longest row and both numbers."""
+    limit = max_positions(cfg.model_path)
+    if limit is None or not prompt_lengths:
+        return
+    if cfg.max_new_tokens >= limit:
+        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt: the model in "
+                          f"{cfg.model_path} has max_position_embeddings={limit} (prompt + response tokens); "
+                          f"lower max_new_tokens (--max-new-tokens) below {limit} minus the longest prompt")
+    row = max(range(len(prompt_lengths)), key=prompt_lengths.__getitem__)
+    longest = prompt_lengths[row]
+    if longest + cfg.max_new_tokens > limit:
+        raise ConfigError(
+            f"{cfg.data_path}: row {row}'s prompt is {longest} tokens; with max_new_tokens={cfg.max_new_tokens} that "
+            f"is {longest + cfg.max_new_tokens} positions, more than the model's max_position_embeddings={limit} "
+            f"({cfg.model_path}/config.json); set max_new_tokens (--max-new-tokens) to at most {limit - longest}"
+            + (" or shorten that prompt" if limit - longest < 1 else "")
+        )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from streamrft.data import DataError, read_rows
 from streamrft.evaluate.answers import FORMATS
-from streamrft.evaluate.config import EvalConfig
+from streamrft.evaluate.config import EvalConfig, check_prompt_lengths
 from streamrft.evaluate.metrics import majority_answer, pass_at_k
 
 
@@ -52,15 +52,20 @@ def evaluate(cfg: EvalConfig) -> dict:
     from streamrft.engines.hf import HFEngine
     from streamrft.models.tiny import load_policy
 
+    from transformers import AutoTokenizer
+
     problems = load_problems(cfg)
+    # Tokenize first, with the tokenizer alone: a prompt that cannot fit is an error before the model loads.
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    prompt_ids = [tokenizer(cfg.prompt_template.format(prompt=prompt))["input_ids"] for prompt, _ in problems]
+    check_prompt_lengths(cfg, [len(ids) for ids in prompt_ids])
     model, tokenizer = load_policy(cfg.model_path)
     model.eval()
     engine_cfg = EngineConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                               max_batch_size=cfg.max_batch_size)
     engine = HFEngine(model, engine_cfg, [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu")
     requests = []
-    for i, (prompt, _) in enumerate(problems):
-        ids = tokenizer(cfg.prompt_template.format(prompt=prompt))["input_ids"]
+    for i, ids in enumerate(prompt_ids):
         requests += [GenerationRequest(f"{i}:{j}", ids, seed=cfg.seed * 1_000_003 + i * cfg.n + j) for j in range(cfg.n)]
     start = time.perf_counter()
     samples = {s.request_id: s for s in asyncio.run(engine.generate_all(requests))}

@@ -26,7 +26,8 @@ class MetricsServer:
 
 
 def exporter_port(base_port: int, local_rank: int) -> int:
-    """The port rank ``local_rank`` listens on: ``metrics.port + local_rank`` (0 stays 0 = any free)."""
+    """The port rank ``local_rank`` listens on: ``metrics.port + local_rank``. (``metrics.port=0`` turns the
+    exporter off and never gets here; a 0 passed on anyway stays 0, which binds any free port.)"""
     return base_port + local_rank if base_port else 0
 
 
@@ -40,7 +41,8 @@ def start_exporter(metrics: PipelineMetrics, host: str, port: int) -> tuple[Metr
     except OSError as exc:
         raise OSError(
             f"metrics exporter of rank {metrics.rank} cannot listen on {host}:{port}: {exc.strerror}; "
-            "set metrics.port to a free base port (rank r uses port + local rank) or 0 for any free port"
+            "set metrics.port to another base port (rank r listens on port + local rank), or metrics.port=0 "
+            "to turn the exporter off"
         ) from exc
     bound = httpd.server_address[1]
     return MetricsServer(httpd=httpd, thread=thread, host=host, port=bound), bound

@@ -37,7 +37,8 @@ def tiny_text_model(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("tiny")
     build_tiny_qwen2(str(root / "model"), build_char_tokenizer(str(root / "model"), "0123456789+-*= "))
-    (root / "data.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}=", "reference": "{2 * a}"}}\n' for a in range(8)))
+    operands = [1, 2, 3, 4, 5, 55, 6, 7]  # row 5, "55+55=", is the longest prompt (6 tokens; the rest 4)
+    (root / "data.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}=", "reference": "{2 * a}"}}\n' for a in operands))
     return root
 
 
@@ -121,3 +122,52 @@ def test_item13_schema_into_a_closed_pipe_exits_141_and_a_whole_read_exits_0():
     assert (proc.wait(60), proc.stderr.read()) == (141, b"")
     whole = _cli("schema")
     assert whole.returncode == 0 and whole.stdout.startswith("{")
+
+
+def test_item13_eval_with_default_settings_on_a_short_context_model_names_both_numbers_and_the_key(
+        tiny_text_model, tmp_path, capsys):
+    from streamrft.evaluate.cli import eval_main
+
+    model, data = tiny_text_model / "model", tiny_text_model / "data.jsonl"
+    common = ["--model", str(model), "--data", str(data), "--format", "arith", "--output", str(tmp_path / "r.jsonl")]
+    assert eval_main(common) == 2  # default max_new_tokens=256 > max_position_embeddings=128
+    assert capsys.readouterr().err == (
+        f"streamrft eval: error: max_new_tokens=256 leaves no room for a prompt: the model in {model} has "
+        "max_position_embeddings=128 (prompt + response tokens); lower max_new_tokens (--max-new-tokens) below "
+        "128 minus the longest prompt\n")
+    assert eval_main([*common, "--max-new-tokens", "123"]) == 2  # fits every prompt but row 5's
+    assert capsys.readouterr().err == (
+        f"streamrft eval: error: {data}: row 5's prompt is 6 tokens; with max_new_tokens=123 that is 129 positions, "
+        f"more than the model's max_position_embeddings=128 ({model}/config.json); set max_new_tokens "
+        "(--max-new-tokens) to at most 122\n")
+    assert not (tmp_path / "r.jsonl").exists()  # stopped before the model was loaded or anything written
+
+
+def test_item13_error_texts_name_a_command_that_exists_and_say_what_metrics_port_0_does(tmp_path):
+    import socket
+
+    from streamrft.config import Config
+    from streamrft.config.validate import validate_model
+    from streamrft.metrics import PipelineMetrics, start_exporter
+
+    cfg = Config()
+    cfg.model.path = str(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        validate_model(cfg)
+    assert "`make demo` or pipelines/arith/prepare.py builds one in runs/arith/sft" in str(err.value)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError) as err:
+            start_exporter(PipelineMetrics(rank=2), "127.0.0.1", port)
+    assert str(err.value) == (
+        f"metrics exporter of rank 2 cannot listen on 127.0.0.1:{port}: Address already in use; set metrics.port "
+        "to another base port (rank r listens on port + local rank), or metrics.port=0 to turn the exporter off")
+    # No user-facing text anywhere promises a command or a setting that does not exist.
+    texts = [*REPO.glob("streamrft/**/*.py"), *REPO.glob("pipelines/**/*.yaml"), *REPO.glob("pipelines/**/*.py"),
+             REPO / "README.md", *REPO.glob("docs/*.md")]
+    for path in texts:
+        text = path.read_text()
+        assert "streamrft demo" not in text, path
+        assert "metrics.port=0 for any free port" not in text and "or 0 for any free port" not in text, path
