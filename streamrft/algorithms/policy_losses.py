@@ -3,7 +3,7 @@
 Notation: rho_t = pi(y_t) / pi_prox(y_t) = exp(logp - old_logp); A_t the advantage; eps_l, eps_h =
 algorithm.clip_eps_low / clip_eps_high. ppo_clip, clip_higher, dual_clip, gspo and cpg honour both;
 gmpo does not: it clips log rho_t to [-gmpo_clip_eps, gmpo_clip_eps], the paper's own symmetric range
-in log space (validate_algorithm rejects clip_eps_low/high set away from their defaults with gmpo).
+in log space (config/variants.py refuses clip_eps_low/high written with policy_loss=gmpo).
 ``old_logp`` is the proximal policy (the learner's log-probs at step start); ``behaviour_logp`` is the
 engine's sampling log-prob.
 
@@ -139,7 +139,7 @@ def gmpo(inp: PolicyLossInputs, cfg: AlgorithmConfig) -> PolicyLossOutput:
     l_t = sgn * min(sgn * log rho_t, sgn * clip(log rho_t, -eps, eps)),  eps = algorithm.gmpo_clip_eps,
     L_i = -A_i exp((1/|y_i|) sum_t l_t), written on every response token of sequence i.
     GMPO keeps the paper's own symmetric log-space clip: clip_eps_low / clip_eps_high do not apply
-    (validate_algorithm refuses them with policy_loss=gmpo). The sequence exponent goes through
+    (config/variants.py refuses them with policy_loss=gmpo). The sequence exponent goes through
     bounded_exp (capped at LOG_RATIO_CAP, no gradient beyond).
     """
     log_rho_BT = inp.logp - inp.old_logp.detach()

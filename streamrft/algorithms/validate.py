@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from streamrft.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from streamrft.algorithms.offpolicy import OFFPOLICY_MASKS, TIS_WEIGHTS
-from streamrft.config.algorithm import AlgorithmConfig
 from streamrft.config.base import ConfigError
 
 # Estimators that read AdvantageInputs.token_rewards (so kl_mode=reward reaches the advantages).
@@ -122,35 +121,8 @@ def _combinations(cfg) -> None:
         )
 
 
-_DEFAULTS = AlgorithmConfig()
-
-
-def _changed(a, key: str) -> bool:
-    return getattr(a, key) != getattr(_DEFAULTS, key)
-
-
-def _unused(cfg) -> None:
-    """A key of a variant that is not selected would be accepted and do nothing: refuse it when it is
-    set away from its default (a Config built in code; config/variants.py also checks written keys)."""
-    a = cfg.algorithm
-    for key in ("clip_eps_low", "clip_eps_high"):
-        if a.policy_loss == "gmpo" and _changed(a, key):
-            raise ConfigError(
-                f"algorithm.{key}={getattr(a, key)} does nothing with algorithm.policy_loss=gmpo (GMPO clips "
-                "log-ratios to [-gmpo_clip_eps, gmpo_clip_eps]); set algorithm.gmpo_clip_eps instead"
-            )
-    if a.offpolicy_mask == "off":
-        for key in ("offpolicy_mask_low", "offpolicy_mask_high"):
-            if _changed(a, key):
-                raise ConfigError(
-                    f"algorithm.{key}={getattr(a, key)} does nothing with algorithm.offpolicy_mask=off; "
-                    "set algorithm.offpolicy_mask=token or sequence"
-                )
-
-
 def validate_algorithm(cfg) -> None:
     """Check cfg.algorithm against itself, cfg.rollout.n_samples_per_prompt and cfg.engine.max_new_tokens."""
     _names(cfg)
     _ranges(cfg)
     _combinations(cfg)
-    _unused(cfg)

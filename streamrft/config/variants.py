@@ -70,6 +70,11 @@ VARIANT_KEYS: dict[str, tuple[str, tuple | str]] = {
     "algorithm.gmpo_clip_eps": ("algorithm.policy_loss", ("gmpo",)),
     "algorithm.cpg_drift_coef": ("algorithm.policy_loss", ("cpg",)),
     "algorithm.tis_cap": ("algorithm.tis_mode", ("token", "sequence")),
+    "algorithm.offpolicy_mask_low": ("algorithm.offpolicy_mask", ("token", "sequence")),
+    "algorithm.offpolicy_mask_high": ("algorithm.offpolicy_mask", ("token", "sequence")),
+    # GMPO clips log-ratios with its own gmpo_clip_eps (policy_losses.gmpo)
+    "algorithm.clip_eps_low": ("algorithm.policy_loss", ("ppo_clip", "clip_higher", "dual_clip", "gspo", "cpg")),
+    "algorithm.clip_eps_high": ("algorithm.policy_loss", ("ppo_clip", "clip_higher", "dual_clip", "gspo", "cpg")),
     # algorithm: KL to the reference and its controller
     "algorithm.kl_estimator": ("algorithm.kl_coef", SET),
     "algorithm.kl_mode": ("algorithm.kl_coef", SET),

@@ -182,16 +182,6 @@ CASES = [
      "algorithm.offpolicy_mask_low=-0.1 must be in [0, 1) (a ratio of 1, on-policy, must be kept)"),
     (dict(offpolicy_mask="sequence", offpolicy_mask_high=1.0),
      "algorithm.offpolicy_mask_high=1.0 must be > 1 (a ratio of 1, on-policy, must be kept)"),
-    (dict(offpolicy_mask_low=0.2),
-     "algorithm.offpolicy_mask_low=0.2 does nothing with algorithm.offpolicy_mask=off; set algorithm.offpolicy_mask=token or sequence"),
-    (dict(offpolicy_mask_high=3.0),
-     "algorithm.offpolicy_mask_high=3.0 does nothing with algorithm.offpolicy_mask=off; set algorithm.offpolicy_mask=token or sequence"),
-    (dict(policy_loss="gmpo", clip_eps_high=0.28),
-     "algorithm.clip_eps_high=0.28 does nothing with algorithm.policy_loss=gmpo (GMPO clips log-ratios to "
-     "[-gmpo_clip_eps, gmpo_clip_eps]); set algorithm.gmpo_clip_eps instead"),
-    (dict(policy_loss="gmpo", clip_eps_low=0.1),
-     "algorithm.clip_eps_low=0.1 does nothing with algorithm.policy_loss=gmpo (GMPO clips log-ratios to "
-     "[-gmpo_clip_eps, gmpo_clip_eps]); set algorithm.gmpo_clip_eps instead"),
 ]
 
 
@@ -199,6 +189,33 @@ CASES = [
 def test_invalid_offpolicy_settings_are_config_errors(algo, message):
     with pytest.raises(ConfigError) as err:
         validate_algorithm(cfg_with(**algo))
+    assert str(err.value) == message
+
+
+def _owned(key, owner, current, values):
+    return (f"algorithm.{key} is set but algorithm.{owner}={current!r}; it applies only to algorithm.{owner} in "
+            f"{values!r}; remove algorithm.{key} or change algorithm.{owner}")
+
+
+_PPO_LIKE = ("ppo_clip", "clip_higher", "dual_clip", "gspo", "cpg")
+UNUSED = [
+    (["algorithm.offpolicy_mask_low=0.2"], _owned("offpolicy_mask_low", "offpolicy_mask", "off", ("token", "sequence"))),
+    (["algorithm.offpolicy_mask_high=3.0"], _owned("offpolicy_mask_high", "offpolicy_mask", "off", ("token", "sequence"))),
+    (["algorithm.policy_loss=gmpo", "algorithm.clip_eps_high=0.28"],
+     _owned("clip_eps_high", "policy_loss", "gmpo", _PPO_LIKE)),
+    (["algorithm.policy_loss=gmpo", "algorithm.clip_eps_low=0.2"], _owned("clip_eps_low", "policy_loss", "gmpo", _PPO_LIKE)),
+]
+
+
+@pytest.mark.parametrize("overrides,message", UNUSED)
+def test_settings_that_do_nothing_for_the_selected_variant_are_config_errors(overrides, message):
+    """The window of an unselected offpolicy_mask, and PPO's clip range with gmpo (its own gmpo_clip_eps)."""
+    from streamrft.config import load_config, validate_config
+    from tests.integration.conftest import REPO
+
+    cfg = load_config(REPO / "pipelines" / "arith" / "config.yaml", overrides)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, world_size=1, check_paths=False)
     assert str(err.value) == message
 
 
