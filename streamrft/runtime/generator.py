@@ -182,6 +182,8 @@ class Generator(Stage):
             feedback.cancel()
             for task in list(self.generating):
                 task.cancel()
+            if self._failure.done() and not self._failure.cancelled():
+                self._failure.exception()  # retrieved: the pipeline reports this stage's failure (or it is shutdown's ChannelClosed)
 
     def _on_task_done(self, task: asyncio.Task) -> None:
         self.generating.discard(task)
