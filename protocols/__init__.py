@@ -5,6 +5,9 @@ Importable with msgspec alone (no torch), so a reward microservice needs msgspec
 Rules (msgspec schema evolution): structs are append-only; a new field gets a default; a field's
 type never changes. Every message carries ``protocol_version``; :func:`decode` rejects a version it
 does not speak with :class:`ProtocolVersionError` before reading anything else.
+
+Whatever the bytes, :func:`decode` returns a message or raises :class:`ProtocolError`, nothing else: a
+frame over ``max_bytes`` or nested deeper than ``MAX_DEPTH`` (32) is refused before msgspec reads it.
 """
 
 from protocols.base import (
