@@ -229,3 +229,37 @@ def test_version_rules(versions):
     asyncio.run(run())
     assert engine.policy_version == 2
     assert all(torch.equal(t, dict(new)[n]) for n, t in engine.module.state_dict().items())
+
+
+def test_multimodal_chunk_pins_the_weights_and_its_rows_finish_under_their_version(tmp_path):
+    """Media prompts cannot be re-prefilled without encoding the media again: the update is staged until
+    the chunk ends, and every token of the chunk carries the version it started under."""
+    import numpy as np
+    from PIL import Image
+
+    from streamrft.models.multimodal import build_model_inputs, load_multimodal_policy
+    from streamrft.models.vl import build_tiny_qwen2_vl
+
+    model, processor, _ = load_multimodal_policy(build_tiny_qwen2_vl(str(tmp_path), "abc0123456789 ?", num_layers=1))
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8))
+    inputs = {"m0": build_model_inputs(processor, "a?", {"images": [image]})}
+    requests = [GenerationRequest("m0", inputs["m0"]["input_ids"][0].tolist(), seed=0, max_new_tokens=2),
+                GenerationRequest("t1", [5, 6, 7], seed=1, max_new_tokens=6)]
+    new = [(n, t + 0.1) if t.is_floating_point() else (n, t) for n, t in model.state_dict().items()]
+    engine = HFEngine(model.eval(), EngineConfig(ignore_eos=True), [], 0, torch.device("cpu"), own_weights=True)
+
+    async def run():
+        samples, states = [], []
+        async for s in engine.generate(requests, inputs):
+            samples.append(s)
+            if len(samples) == 1:
+                await engine.update_weights(new, 1)
+                states.append((engine.policy_version, engine.pending_version))
+        await engine.wait_version(1, timeout_s=1)
+        return samples, states
+
+    samples, states = asyncio.run(run())
+    assert states == [(0, 1)]
+    assert [s.token_versions for s in samples] == [[0, 0], [0] * 6]
+    assert engine.policy_version == 1 and engine.pending_version is None and engine.reprefills == 0
+    assert torch.equal(engine.module.state_dict()["lm_head.weight"], dict(new)["lm_head.weight"])
