@@ -18,9 +18,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _dcp_keys(path: Path) -> set[str]:
-    from torch.distributed.checkpoint import FileSystemReader
+    from streamrft.checkpoint.safe_load import SafeFileSystemReader
 
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def load_policy_from_checkpoint(ckpt: str | Path):
@@ -30,6 +30,7 @@ def load_policy_from_checkpoint(ckpt: str | Path):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from streamrft.checkpoint.layout import read_meta, resolve_checkpoint
+    from streamrft.checkpoint.safe_load import safe_load_kwargs
 
     path = resolve_checkpoint(ckpt)
     meta = read_meta(path)
@@ -57,7 +58,7 @@ def load_policy_from_checkpoint(ckpt: str | Path):
     state = {"model": wanted}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        dcp.load(state, no_dist=True, **safe_load_kwargs(path))  # reads no pickled code (safe_load.py)
     model.load_state_dict(state["model"], strict=False)
     if lora is not None:
         model = _merged_base_model(model, config, lora)

@@ -263,7 +263,9 @@ class FSDP2Strategy:
             raise ValueError(f"checkpoint path {path!r} (rank {self.rank}) does not exist; check checkpoint.resume")
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
-        dcp.load(state, checkpoint_id=path)
+        from streamrft.checkpoint.safe_load import safe_load_kwargs
+
+        dcp.load(state, **safe_load_kwargs(path))  # no pickle of code from output_dir (checkpoint/safe_load.py)
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
