@@ -186,16 +186,20 @@ def _reward_stats(batch, all_reduce_sum, components: list[str]) -> dict[str, flo
     columns = {"": [s.header.reward for s in batch]}
     for name in components:
         columns[f"/{name}"] = [s.header.reward_components.get(name, 0.0) for s in batch]
+    # Two passes in float64 (global means, then squared deviations from them): the one-pass
+    # sum(v^2)/n - mean^2 cancels when the rewards share a large offset.
     sums = []
     for values in columns.values():
-        sums += [len(values), sum(values), sum(v * v for v in values)]
+        sums += [len(values), sum(values)]
     t = all_reduce_sum(torch.tensor(sums, dtype=torch.float64)).tolist()
+    means = [t[2 * i + 1] / max(t[2 * i], 1.0) for i in range(len(columns))]
+    squares = all_reduce_sum(torch.tensor(
+        [sum((v - m) ** 2 for v in values) for values, m in zip(columns.values(), means)], dtype=torch.float64
+    )).tolist()
     out = {}
     for i, suffix in enumerate(columns):
-        n, total, squares = t[3 * i : 3 * i + 3]
-        mean = total / max(n, 1.0)
-        out[f"reward_mean{suffix}"] = mean
-        out[f"reward_std{suffix}"] = math.sqrt(max(squares / max(n, 1.0) - mean * mean, 0.0))
+        out[f"reward_mean{suffix}"] = means[i]
+        out[f"reward_std{suffix}"] = math.sqrt(squares[i] / max(t[2 * i], 1.0))
     return out
 
 

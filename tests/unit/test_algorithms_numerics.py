@@ -264,3 +264,22 @@ def test_issue16_item12_running_mean_std_two_pass_survives_a_huge_offset():
         assert r.var.item() == pytest.approx(seen.var(), rel=1e-6)
     normalised = ranks[0].normalize(torch.tensor(seen)).numpy()
     assert normalised.std() == pytest.approx(1.0, abs=1e-3)
+
+
+def test_issue16_item12_reported_reward_std_is_two_pass_across_ranks():
+    from types import SimpleNamespace
+
+    from streamrft.runtime.driver import _reward_stats
+
+    def sample(r):
+        return SimpleNamespace(header=SimpleNamespace(reward=r, reward_components={"correct": r - 1e8}))
+
+    g = np.random.default_rng(7)
+    a, b = 1e8 + 1e-4 * g.standard_normal(6), 1e8 + 1e-4 * g.standard_normal(3) + 5e-5
+    out_a, out_b = run_ranks([lambda r: _reward_stats([sample(x) for x in a], r, ["correct"]),
+                              lambda r: _reward_stats([sample(x) for x in b], r, ["correct"])])
+    seen = np.concatenate([a, b])
+    assert out_a == out_b
+    assert out_a["reward_std"] == pytest.approx(seen.std(), rel=1e-6)  # one-pass: 0 or garbage at this offset
+    assert out_a["reward_std/correct"] == pytest.approx((seen - 1e8).std(), rel=1e-6)
+    assert out_a["reward_mean"] == pytest.approx(seen.mean(), rel=1e-15)
