@@ -25,12 +25,13 @@ Robustness: the resume guard (guard.py) refuses a checkpoint of a run with other
 checkpoint that does not load is skipped (renamed ``unloadable_step_*``) and the next newest is used;
 a save that fails for a full disk or a file-size limit says ENOSPC / EFBIG and the path.
 
-Security: torch.distributed.checkpoint reads ``.metadata`` with ``pickle`` and the non-tensor entries
-(the LR scheduler) with ``torch.load(weights_only=False)``; DeepSpeed's checkpoints are torch.load'ed
-the same way. Unpickling runs code, so anyone who can write ``output_dir`` can run code in a run that
-resumes from it (or in `streamrft export`, which reads the shards with the weights-only planner in
-safe_load.py but still unpickles ``.metadata``). Keep output_dir writable only by the user running the
-job. Everything StreamRFT itself writes beside the shards is JSON.
+Security: stock torch.distributed.checkpoint unpickles ``.metadata`` and loads non-tensor entries (the
+LR scheduler) with ``torch.load(weights_only=False)``; the FSDP2 strategy and `streamrft export` read
+through safe_load.py instead (an allow-list unpickler for ``.metadata``, ``weights_only=True`` for the
+rest), so a hostile file there is refused, not run. DeepSpeed (train.strategy=deepspeed) loads its own
+files with ``torch.load(weights_only=False)``: there anyone who can write ``output_dir`` can run code in
+a run that resumes from it. Keep output_dir writable only by the user running the job. Everything
+StreamRFT itself writes beside the shards is JSON.
 """
 
 from __future__ import annotations
