@@ -19,7 +19,10 @@ The two families compose: IcePop (Ling Team, "Every Step Evolves: Scaling Reinfo
 Trillion-Scale Thinking Model", 2025: w = r inside [alpha, beta], 0 outside) is tis_mode=token with
 tis_cap >= offpolicy_mask_high plus offpolicy_mask=token; masked importance sampling (MIS) is the same
 with offpolicy_mask_low=0; plain decoupled PPO with TIS is offpolicy_mask=off (the default). A masked
-token keeps its place in the aggregation denominators (its loss is 0, as in IcePop).
+token keeps its place in the aggregation denominators (its loss is 0, as in IcePop). The window
+[offpolicy_mask_low, offpolicy_mask_high] bounds pi_prox / pi_beh (IcePop's pi_train / pi_infer, the
+same direction as the IS weight); for behaviour / proximal use [1 / high, 1 / low]. Sequence masking
+averages over the tokens of the loss mask (after algorithm.high_entropy_ratio's token filter).
 
 Metrics (B, T), detached: tis_weight, tis_clipped (0/1), offpolicy_masked (0/1), and
 behaviour_proximal_kl, the k3 estimate (Schulman, "Approximating KL divergence", 2020) of
