@@ -10,10 +10,13 @@ from __future__ import annotations
 import torch
 
 CHUNK_TOKENS = 1024  # rows of the output head evaluated at once: 1024 x 152k vocab x 4 B = 0.6 GB at most
+BATCH_TOKENS = 8192  # padded tokens per forward: one long and many short sequences are not padded together
 
 
-def validate_request(token_ids: list[list[int]], prompt_lens: list[int], vocab_size: int, max_tokens: int) -> None:
-    """ValueError naming the sequence and field when the request cannot be scored; cheap, before any forward."""
+def validate_request(token_ids: list[list[int]], prompt_lens: list[int], vocab_size: int, max_tokens: int,
+                     max_len: int | None = None) -> None:
+    """ValueError naming the sequence and field when the request cannot be scored; cheap, before any forward.
+    ``max_len``: the model's context (max_position_embeddings), when it has one."""
     if len(prompt_lens) != len(token_ids):
         raise ValueError(f"prompt_lens has {len(prompt_lens)} entries for {len(token_ids)} sequences (one per sequence)")
     total = sum(len(t) for t in token_ids)
@@ -22,6 +25,8 @@ def validate_request(token_ids: list[list[int]], prompt_lens: list[int], vocab_s
     for i, (ids, start) in enumerate(zip(token_ids, prompt_lens)):
         if not 1 <= start <= len(ids):
             raise ValueError(f"sequence {i}: prompt_len={start} must be in [1, {len(ids)}] (its length)")
+        if max_len is not None and len(ids) > max_len:
+            raise ValueError(f"sequence {i}: {len(ids)} tokens exceed the model's max_position_embeddings={max_len}")
         if ids and not (0 <= min(ids) and max(ids) < vocab_size):
             bad = next(t for t in ids if not 0 <= t < vocab_size)
             raise ValueError(f"sequence {i}: token id {bad} is outside the vocabulary [0, {vocab_size})")
@@ -43,17 +48,33 @@ def _head_split(model):
 
 @torch.no_grad()
 def sequence_logprobs(model, token_ids: list[list[int]], prompt_lens: list[int], pad_id: int = 0,
-                      chunk_tokens: int = CHUNK_TOKENS) -> list[list[float]]:
+                      chunk_tokens: int = CHUNK_TOKENS, batch_tokens: int = BATCH_TOKENS) -> list[list[float]]:
     """For each sequence, log p(token_t | tokens_<t) for t in [prompt_len, len), at temperature 1.
 
-    Sequences are right-padded into one batch; position ids count real tokens only, so padding does
-    not change any value. Only the ``sum(len - prompt_len)`` scored positions go through the head.
+    Sequences are right-padded into batches of at most ``batch_tokens`` padded tokens (by length, so a
+    long sequence is not padded against many short ones; one longer than that goes alone); position
+    ids count real tokens only, so padding does not change any value. Only the ``sum(len - prompt_len)``
+    scored positions go through the head.
     """
-    if not token_ids:
-        return []
     for i, t in enumerate(token_ids):
         if not 1 <= prompt_lens[i] <= len(t):
             raise ValueError(f"sequence {i}: prompt_len={prompt_lens[i]} must be in [1, {len(t)}]")
+    out: list[list[float]] = [[] for _ in token_ids]
+    batch: list[int] = []
+    for i in sorted(range(len(token_ids)), key=lambda k: len(token_ids[k])):
+        if batch and (len(batch) + 1) * len(token_ids[i]) > batch_tokens:
+            _score_batch(model, token_ids, prompt_lens, batch, out, pad_id, chunk_tokens)
+            batch = []
+        batch.append(i)
+    if batch:
+        _score_batch(model, token_ids, prompt_lens, batch, out, pad_id, chunk_tokens)
+    return out
+
+
+def _score_batch(model, all_ids: list[list[int]], all_prompt_lens: list[int], which: list[int],
+                 out: list[list[float]], pad_id: int, chunk_tokens: int) -> None:
+    token_ids = [all_ids[i] for i in which]
+    prompt_lens = [all_prompt_lens[i] for i in which]
     device = next(model.parameters()).device
     L = max(len(t) for t in token_ids)
     ids = torch.full((len(token_ids), L), pad_id, dtype=torch.long)
@@ -65,7 +86,7 @@ def sequence_logprobs(model, token_ids: list[list[int]], prompt_lens: list[int],
     # Row b, position p predicts token p + 1: the scored rows are p in [prompt_len - 1, len - 1).
     rows = [(i, p) for i, t in enumerate(token_ids) for p in range(prompt_lens[i] - 1, len(t) - 1)]
     if not rows:
-        return [[] for _ in token_ids]
+        return
     b_idx = torch.tensor([r[0] for r in rows])
     p_idx = torch.tensor([r[1] for r in rows])
     targets = ids[b_idx, p_idx + 1].to(device)
@@ -85,9 +106,8 @@ def sequence_logprobs(model, token_ids: list[list[int]], prompt_lens: list[int],
         logp = torch.log_softmax(logits, dim=-1)
         out_rows.append(logp.gather(-1, targets[start : start + chunk_tokens, None]).squeeze(-1).cpu())
     flat = torch.cat(out_rows).tolist()
-    out, k = [], 0
-    for i, t in enumerate(token_ids):
-        n = len(t) - prompt_lens[i]
-        out.append(flat[k : k + n])
+    k = 0
+    for i, t in zip(which, token_ids):
+        n = len(t) - all_prompt_lens[i]
+        out[i] = flat[k : k + n]
         k += n
-    return out

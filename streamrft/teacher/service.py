@@ -5,7 +5,8 @@
 
 A ROUTER socket speaking protocols.TeacherRequest -> TeacherReply (msgpack, never pickle). A malformed
 frame, a version mismatch or a bad request gets an error reply and the service keeps running: token ids
-outside [0, vocab), ``prompt_lens`` not one per sequence or outside [1, len], a frame over
+outside [0, vocab), ``prompt_lens`` not one per sequence or outside [1, len], a sequence longer than the
+model's max_position_embeddings, a frame over
 ``--max-message-bytes`` or more than ``--max-tokens`` tokens in one request (ZeroMQ drops a frame over
 twice the byte limit unread; the sender's request then times out). The output head runs over the scored
 positions in chunks (streamrft.teacher.scoring), so no request materialises full-vocabulary logits.
@@ -50,6 +51,7 @@ class TeacherService:
     def __init__(self, model, pad_id: int, max_message_bytes: int = MAX_MESSAGE_BYTES, max_tokens: int = MAX_TOKENS):
         self.model, self.pad_id = model, pad_id
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         self.max_message_bytes, self.max_tokens = max_message_bytes, max_tokens
         self.n_requests = self.n_errors = 0
 
@@ -64,7 +66,7 @@ class TeacherService:
         except ProtocolError as exc:
             return self._error(peek_request_id(body), str(exc))
         try:
-            validate_request(req.token_ids, req.prompt_lens, self.vocab_size, self.max_tokens)
+            validate_request(req.token_ids, req.prompt_lens, self.vocab_size, self.max_tokens, self.max_len)
             logprobs = sequence_logprobs(self.model, req.token_ids, req.prompt_lens, self.pad_id)
         except ValueError as exc:
             return self._error(req.request_id, str(exc))

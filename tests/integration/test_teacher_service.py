@@ -189,6 +189,7 @@ VOCAB = 3 + len(ALPHABET)
     ([[4, 5], [6, 7]], [1], "prompt_lens has 1 entries for 2 sequences"),
     ([[4, 5]], [3], "sequence 0: prompt_len=3 must be in \\[1, 2\\]"),
     ([[]], [0], "sequence 0: prompt_len=0 must be in \\[1, 0\\]"),
+    ([[4, 5], [4] * 257], [1, 1], "sequence 1: 257 tokens exceed the model's max_position_embeddings=256"),
 ])
 def test_item5_teacher_rejects_a_bad_request_with_an_error_reply_and_keeps_serving(tiny_teacher, ids, prompt_lens,
                                                                                    expected):
@@ -236,6 +237,17 @@ def test_item5_teacher_logprobs_are_computed_in_head_chunks_and_equal_a_full_for
         hook.remove()
     # Scored positions: 5 + 2 + 0 = 7, through the head 3 rows at a time; never the whole (3 x 7 x vocab).
     assert rows_seen == [3, 3, 1]
+    # Forwards of at most 8 padded tokens (by length: [11..13] alone, [14..18] alone but with nothing to
+    # score so no forward at all, then [4..10]) give the same numbers, each sequence back in its place.
+    forwards = []
+    hook = model.get_decoder().register_forward_hook(lambda m, i, o: forwards.append(tuple(o.last_hidden_state.shape[:2])))
+    try:
+        split = sequence_logprobs(model, seqs, prompt_lens, pad_id=0, chunk_tokens=2, batch_tokens=8)
+    finally:
+        hook.remove()
+    assert forwards == [(1, 3), (1, 7)]
+    for a, b in zip(split, got):
+        assert a == pytest.approx(b, abs=1e-6)
     for ids, p, lp in zip(seqs, prompt_lens, got):
         with torch.no_grad():  # independent: each sequence alone, unpadded, full logits in float64
             logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
