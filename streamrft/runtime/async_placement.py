@@ -309,6 +309,11 @@ class AsyncPhase:
             self.metrics.weight_sync_seconds.observe(self.timings["weight_push"])
         await self.pipeline.resume(version)
 
+    def write_timeline(self, path: Path) -> None:
+        """The busy intervals behind ``overlap_report`` (wall-clock seconds), for a look at the overlap."""
+        path.write_text(json.dumps({"started": self.started, "engine_busy": union(self.pipeline.engine_busy),
+                                    "learner_busy": union(self.learner_busy)}))
+
     def overlap_report(self) -> dict[str, float]:
         """Fractions of the training wall time (first version published → last train step's end) with
         the engines busy, the learner busy, and both."""

@@ -68,6 +68,7 @@ async def train_loop(run) -> dict[str, float]:
     summary.update(run.accounting.summary())
     if cfg.rollout.placement == "async" and run.dist.rank == 0:
         summary.update({f"async_{k}": v for k, v in phase.overlap_report().items()})
+        phase.write_timeline(Path(cfg.output_dir) / "async_timeline.json")
     return summary
 
 
@@ -178,6 +179,20 @@ async def _evaluate(run) -> dict[str, float]:
                                 run.dist.world_size, all_reduce_sum, run.cfg.data.eval_size,
                                 media=run.pipeline.media_codec())
         progress.update(n, **{k: v for k, v in result.items() if isinstance(v, float)})
+    # The result under its per-step names, at the step the evaluated policy reached (the engine's policy
+    # version: 0 before training, N after N steps, also on resume) in every metrics sink.
+    from streamrft.metrics.heldout import before_fields, heldout_scalars, merge_into_step_line
+
+    scalars, step = heldout_scalars(result), int(getattr(run.engine, "policy_version", 0))
+    if run.metrics is not None:
+        run.metrics.observe_heldout(step, scalars)
+    for logger in run.loggers:
+        logger.log(step, scalars)
+    if run.dist.rank == 0 and scalars:
+        if step == 0:  # no step-0 line in steps.jsonl: the first step's line carries it (see metrics/heldout.py)
+            run.heldout_before = before_fields(scalars)
+        else:
+            merge_into_step_line(Path(run.cfg.output_dir) / "steps.jsonl", step, scalars)
     return result
 
 
@@ -213,12 +228,16 @@ def _log_step(run, step: int, stats: dict[str, float], progress) -> None:
         # steps.jsonl: one line of reduced metrics per step (what tests and scripts read back).
         path = Path(run.cfg.output_dir) / "steps.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
+        held = getattr(run, "heldout_before", None) or {}  # set by _evaluate before training
+        run.heldout_before = None
         with path.open("a") as f:
-            f.write(json.dumps({"step": step + 1, **stats}) + "\n")
+            f.write(json.dumps({"step": step + 1, **stats, **held}) + "\n")
+    # Step numbers are 1-based in every sink (steps.jsonl, console, Prometheus, TensorBoard, W&B):
+    # step N is the N-th completed train step.
     if run.metrics is not None:
-        run.metrics.observe_step(step, stats)
+        run.metrics.observe_step(step + 1, stats)
     for logger in run.loggers:
-        logger.log(step, stats)
+        logger.log(step + 1, stats)
     if run.dist.rank == 0 and (step % run.cfg.train.log_every == 0 or step + 1 == run.cfg.train.max_steps):
         keys = ("loss", "reward_mean", "kl", "entropy", "grad_norm", "step_seconds")
         shown = " ".join(f"{k}={stats[k]:.4g}" for k in keys if k in stats)
@@ -251,6 +270,16 @@ async def _shutdown(run) -> None:
     if run.exporter is not None:
         from streamrft.metrics.exporter import stop_exporter
 
+        # A Prometheus that has been scraping this run gets one more scrape after the final step and
+        # held-out evaluation (else the run's last values never reach it), at most final_scrape_timeout_s.
+        timeout = run.cfg.metrics.final_scrape_timeout_s
+        metrics = run.metrics
+        if metrics is not None and timeout > 0 and metrics.scrapes > 0 and not metrics.wait_for_scrape_after_last_update(0):
+            _announce(run, f"waiting up to {timeout:g} s for Prometheus to scrape the final values "
+                           "(metrics.final_scrape_timeout_s; 0 = don't wait)")
+            if not await asyncio.to_thread(metrics.wait_for_scrape_after_last_update, timeout):
+                log.warning("rank %d: no Prometheus scrape within metrics.final_scrape_timeout_s=%g s after the "
+                            "final step; its values were not scraped", run.dist.rank, timeout)
         stop_exporter(run.exporter)
     for engine in {id(e): e for e in (run.engine, run.eval_engine)}.values():
         close = getattr(engine, "close", None)  # vllm: its shutdown also tears down its own state

@@ -58,7 +58,9 @@ def check_versions(out: Path, max_staleness: int, n_expected: int) -> list[dict]
 @pytest.mark.parametrize("learners", [1, 2])
 def test_async_learns_like_colocated_within_the_staleness_bound(warm_arith, tmp_path, learners):
     steps = 40
-    common = [f"train.max_steps={steps}", "rollout.max_staleness=1", "train.ppo_epochs=2"]
+    # decode in chunks of 16 rows: generation then takes about as long as a train step, as on GPUs where
+    # generation dominates (the tiny model's whole-step decode on CPU is ~5x faster than its update)
+    common = [f"train.max_steps={steps}", "rollout.max_staleness=1", "engine.max_batch_size=16"]
     colocated = run(warm_arith, tmp_path / "colocated", *common, ranks=learners)
     out = tmp_path / "async"
     summary = run(warm_arith, out, *common, "rollout.placement=async", "rollout.engine_ranks=1",
