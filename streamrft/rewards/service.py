@@ -143,12 +143,15 @@ class _ScoringThreads(concurrent.futures.ThreadPoolExecutor):
         return future
 
     def replace_stuck(self) -> None:
-        """Start threads until ``workers`` of them are not stuck (bounded by ``max_stuck``)."""
+        """Start threads until ``workers`` of them are not stuck (bounded by ``max_stuck``).
+
+        A call counts as stuck here after half the timeout: the request that gave up on it measured its
+        timeout from before the call began, so at that moment the call itself has run a little less."""
         now = time.monotonic()
         with self._lock:
             for t in [t for t in self._started if not t.is_alive()]:
                 del self._started[t]
-            healthy = sum(1 for s in self._started.values() if s is None or now - s <= self.stuck_after_s)
+            healthy = sum(1 for s in self._started.values() if s is None or now - s <= self.stuck_after_s / 2)
             while healthy < self.workers and len(self._started) < self.workers + self.max_stuck:
                 thread = threading.Thread(target=self._work, name="reward-worker", daemon=True)
                 self._started[thread] = None
