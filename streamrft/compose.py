@@ -118,7 +118,11 @@ def build_run(cfg: Config, dist) -> Run:
 
 def _build_metrics(cfg, dist, accounting):
     if cfg.metrics.peak_flops < 0 or math.isnan(cfg.metrics.peak_flops):
-        raise ValueError(f"metrics.peak_flops={cfg.metrics.peak_flops} must be >= 0 (FLOP/s of one rank; 0 = unknown)")
+        raise ValueError(f"metrics.peak_flops={cfg.metrics.peak_flops} must be >= 0 (FLOP/s of one rank; 0 = detect)")
+    if cfg.metrics.peak_flops == 0:  # resolved here, where the device is known; 0.0 stays: no mfu (CPU, unknown GPU)
+        from streamrft.metrics.probe import detect_peak_flops
+
+        cfg.metrics.peak_flops = detect_peak_flops(dist.device)
     if not cfg.metrics.port:
         return None, None
     from streamrft.metrics.exporter import start_exporter

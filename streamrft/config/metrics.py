@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
+
 from streamrft.config.base import Section
 
 
@@ -12,7 +16,12 @@ class MetricsConfig(Section):
     wandb_mode: str = "offline"  # offline works with no network; "online" | "offline" | "disabled"
     progress: bool = True  # console progress bar on a TTY, plain log lines otherwise
     progress_log_every_s: float = 30.0  # without a TTY: seconds between plain progress lines
-    peak_flops: float = 0.0  # peak FLOP/s of one rank's accelerator (e.g. 989e12 for H100 bf16); 0 = unknown, MFU stays NaN
+    # peak FLOP/s of one rank's accelerator; 0 = detect a known GPU's dense bf16 peak (A100, H100, H200, H20,
+    # L40S, B200, ...: streamrft/metrics/probe.py), else no MFU (CPU, unknown GPU: mfu absent, not NaN)
+    peak_flops: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # with metrics.port: if Prometheus scraped this run, shutdown waits until it scraped once more after the
+    # final step and held-out evaluation, at most this many seconds; 0 = don't wait
+    final_scrape_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
 
 
 class SinksConfig(Section):

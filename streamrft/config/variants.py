@@ -96,6 +96,7 @@ VARIANT_KEYS: dict[str, tuple[str, tuple | str]] = {
     # data, metrics, sinks
     "data.max_video_frames": ("data.video_field", SET),
     "metrics.host": ("metrics.port", SET),
+    "metrics.final_scrape_timeout_s": ("metrics.port", SET),
     "metrics.wandb_project": ("metrics.wandb", SET),
     "metrics.wandb_mode": ("metrics.wandb", SET),
     "sinks.parquet_rows_per_file": ("sinks.parquet", SET),

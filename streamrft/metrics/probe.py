@@ -15,11 +15,52 @@ with N the trainable parameter count and tokens every token the policy forward/b
 
 Left out: attention's O(T²) term, the reference/old-logprob forwards and rollout FLOPs (so MFU here
 is the learner's utilisation during its update, a lower bound of the device's).
+
+``peak_flops`` is ``metrics.peak_flops`` or, when that is 0, :func:`detect_peak_flops`: the dense
+(no 2:4 sparsity) bf16 tensor-core rate of one GPU from NVIDIA's datasheets, by device name. On a CPU or
+an unknown GPU there is no peak, no ``mfu`` scalar and no ``streamrft_mfu`` series.
 """
 
 from __future__ import annotations
 
 import math
+import re
+
+# (pattern on torch.cuda.get_device_name(), peak dense bf16 FLOP/s of one GPU). First match wins, so a
+# family's variants (PCIe, NVL) come before its default (SXM). \b keeps H20 from matching H200 and
+# GH200 from matching H200.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    (r"\bGB200\b", 2.5e15),
+    (r"\bB200\b", 2.25e15),
+    (r"\bB100\b", 1.75e15),
+    (r"\bGH200\b", 989e12),
+    (r"\bH(100|800)\b.*\bPCIe\b", 756e12),
+    (r"\bH(100|200)\b.*\bNVL\b", 835e12),
+    (r"\bH(100|200|800)\b", 989e12),  # SXM (e.g. "NVIDIA H100 80GB HBM3", "NVIDIA H200")
+    (r"\bH20\b", 148e12),
+    (r"\bA(100|800)\b", 312e12),
+    (r"\bL40S\b", 362e12),
+    (r"\bL40\b", 181e12),
+    (r"\bL4\b", 121e12),
+)
+
+
+def peak_flops_for_device(name: str) -> float:
+    """Peak dense bf16 FLOP/s of the GPU called ``name`` (as torch.cuda.get_device_name gives it);
+    0.0 when the name is not in :data:`PEAK_BF16_FLOPS`."""
+    for pattern, flops in PEAK_BF16_FLOPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return flops
+    return 0.0
+
+
+def detect_peak_flops(device) -> float:
+    """Peak dense bf16 FLOP/s of ``device`` (a torch.device); 0.0 for a CPU or an unknown GPU."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return 0.0
+    import torch
+
+    return peak_flops_for_device(torch.cuda.get_device_name(device))
 
 
 def probe_pipeline(metrics, pipeline, accounting) -> None:
@@ -53,7 +94,8 @@ def training_flops(n_params: int, tokens: float) -> float:
 
 
 def mfu(flops: float, seconds: float, peak_flops: float, world_size: int) -> float:
-    """Model FLOPs utilisation in [0, 1]; NaN when the peak rate is unknown (peak_flops <= 0)."""
+    """Model FLOPs utilisation in [0, 1]; NaN when the peak rate is unknown (peak_flops <= 0; callers
+    leave ``mfu`` out then, see the module docstring)."""
     if peak_flops <= 0 or seconds <= 0:
         return math.nan
     return flops / (seconds * peak_flops * world_size)

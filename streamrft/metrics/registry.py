@@ -58,6 +58,10 @@ SCALAR_GAUGES: dict[str, tuple[str, dict[str, str]]] = {
     "trained_tokens_per_s": ("trained_tokens_per_second", {}),
     "generated_tokens_per_s": ("generated_tokens_per_second", {}),
     "mfu": ("mfu", {}),
+    # held-out evaluation (before training, every train.eval_every steps, after): the driver reports
+    # them under these names at the step the evaluated policy reached (0 = before any update)
+    "heldout/accuracy": ("heldout_accuracy", {}),
+    "heldout/reward_mean": ("heldout_reward_mean", {}),
 }
 _REWARD_PREFIXES = {"reward/": "reward_mean", "reward_mean/": "reward_mean", "reward_std/": "reward_std"}
 _UNSAFE_LABEL_CHARS = re.compile(r"[^A-Za-z0-9_:./-]")
@@ -80,12 +84,23 @@ class _ConstLabels(Collector):
         self._labels = dict(labels)
         self._lock = lock
         self.hooks: list[Callable[[], None]] = []  # run at every scrape, under the lock, before collecting
+        # Scrape bookkeeping for "was the last value scraped?": ``updates`` counts observe_scalars calls
+        # (incremented after their gauges are set); a scrape that starts when it is n has seen those n.
+        self.updates = 0
+        self.scraped_updates = 0  # ``updates`` as of the start of the last counted scrape
+        self.scrapes = 0  # completed collections for an exporter (PipelineMetrics.exposition() is not counted)
+        self.scraped = threading.Condition(lock)  # notified after each counted collection
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self, count: bool = True) -> Iterable[Metric]:
         with self._lock:  # hooks too: a gauge a hook derives agrees with the counters collected with it
+            seen = self.updates
             for hook in self.hooks:
                 hook()
             families = list(self._inner.collect())
+            if count:
+                self.scrapes += 1
+                self.scraped_updates = seen
+                self.scraped.notify_all()
         for family in families:
             out = Metric(family.name, family.documentation, family.type, family.unit)
             out.samples = [s._replace(labels={**s.labels, **self._labels}) for s in family.samples]
@@ -257,8 +272,22 @@ class PipelineMetrics:
         self.step_seconds = Gauge("streamrft_step_seconds", "Wall time of the last train step.", registry=r)
         self.grad_norm = Gauge("streamrft_grad_norm", "Gradient norm before clipping, last step.", registry=r)
         self.learning_rate = Gauge("streamrft_learning_rate", "Learning rate of the last step.", registry=r)
-        self.mfu = Gauge("streamrft_mfu", "Model FLOPs utilisation (0..1); NaN until FLOPs are known.", registry=r)
-        self.mfu.set(float("nan"))  # an unset MFU must not read as 0 % utilisation
+        # Registered on its first value (see observe_scalars): with no known peak FLOP/s (CPU, an unknown
+        # GPU and metrics.peak_flops=0) the series is absent rather than NaN or a misleading 0.
+        self.mfu = Gauge("streamrft_mfu", "Model FLOPs utilisation (0..1) against the peak bf16 dense FLOP/s.",
+                         registry=None)
+        self._mfu_registered = False
+        self.heldout_accuracy = Gauge(
+            "streamrft_heldout_accuracy", "Held-out accuracy of the last evaluation (heldout/accuracy).", registry=r
+        )
+        self.heldout_reward_mean = Gauge(
+            "streamrft_heldout_reward_mean", "Held-out mean reward of the last evaluation (heldout/reward_mean).",
+            registry=r,
+        )
+        self.heldout_step = Gauge(
+            "streamrft_heldout_step", "Train step whose policy the last held-out evaluation measured (0 = before "
+            "training).", registry=r,
+        )
         self.train_scalar = Gauge(
             "streamrft_train_scalar", "Any other per-step scalar, by its observe_step name.", ["name"], registry=r
         )
@@ -290,8 +319,21 @@ class PipelineMetrics:
         ``streamrft_train_scalar{name="<sanitised name>"}`` rather than dropped.
         """
         self.step.set(step)
+        self.observe_scalars(scalars)
+
+    def observe_heldout(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Export one held-out evaluation (``heldout/accuracy``, ``heldout/reward_mean``, ...) of the policy
+        after ``step`` train steps; ``streamrft_step`` is left alone (no train step happened)."""
+        self.heldout_step.set(step)
+        self.observe_scalars(scalars)
+
+    def observe_scalars(self, scalars: Mapping[str, float]) -> None:
+        """Set the gauges of ``scalars`` by name (the mapping of :meth:`observe_step`)."""
         for name, value in scalars.items():
             value = float(value)
+            if name == "mfu" and not self._mfu_registered:
+                self._metrics.register(self.mfu)
+                self._mfu_registered = True
             known = SCALAR_GAUGES.get(name)
             if known is not None:
                 attr, labels = known
@@ -304,9 +346,32 @@ class PipelineMetrics:
                     break
             else:
                 self.train_scalar.labels(name=sanitise_scalar_name(name)).set(value)
+        self._exposed.updates += 1  # after the values: a scrape that reads this count has them (GIL-ordered)
+
+    @property
+    def scrapes(self) -> int:
+        """How many times an exporter has collected these metrics."""
+        return self._exposed.scrapes
+
+    def wait_for_scrape_after_last_update(self, timeout_s: float) -> bool:
+        """Block until a scrape has happened since the last observed value, at most ``timeout_s``; True if
+        one did. Returns at once when nothing ever scraped this rank (no Prometheus is watching)."""
+        exposed = self._exposed
+        with exposed.scraped:
+            if exposed.scrapes == 0:
+                return False
+            return exposed.scraped.wait_for(lambda: exposed.scraped_updates >= exposed.updates,
+                                            timeout=max(timeout_s, 0.0))
 
     def exposition(self) -> str:
-        """The text a scrape of this rank's exporter returns (handy for tests and debugging)."""
+        """The text a scrape of this rank's exporter returns (handy for tests and debugging; not counted as
+        a scrape)."""
         from prometheus_client import generate_latest
 
-        return generate_latest(self.registry).decode()
+        exposed = self._exposed
+
+        class _Uncounted:
+            def collect(self) -> Iterable[Metric]:
+                return exposed.collect(count=False)
+
+        return generate_latest(_Uncounted()).decode()

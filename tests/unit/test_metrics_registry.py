@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 import urllib.request
@@ -90,11 +89,14 @@ def test_counters_histograms_and_labelled_gauges_show_up_in_the_scrape(exporter)
     assert got[key("streamrft_process_resident_memory_bytes")] > 10 * 2**20
 
 
-def test_mfu_reads_nan_until_flops_are_known_then_the_given_value(exporter):
+def test_mfu_is_absent_until_flops_are_known_then_the_given_value(exporter):
     metrics, url = exporter
-    assert math.isnan(scrape(url)[key("streamrft_mfu")])
-    metrics.observe_step(1, {"mfu": 0.42})
+    metrics.observe_step(1, {"loss": 0.5})  # a step without mfu (CPU, unknown GPU): no series, not NaN
+    assert not any(name.startswith("streamrft_mfu") for name, _ in scrape(url))
+    metrics.observe_step(2, {"mfu": 0.42})
     assert scrape(url)[key("streamrft_mfu")] == 0.42
+    metrics.observe_step(3, {"mfu": 0.4})
+    assert scrape(url)[key("streamrft_mfu")] == 0.4
 
 
 def test_an_unknown_phase_name_is_rejected_with_the_valid_names():
