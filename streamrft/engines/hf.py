@@ -209,7 +209,10 @@ class HFEngine:
             async for sample in chunk:
                 yield sample
         finally:
-            self._unpin()
+            try:
+                await chunk.aclose()  # closed early: its own cleanup (queued steps) runs before the unpin
+            finally:
+                self._unpin()
 
     async def generate_all(
         self, requests: list[GenerationRequest], mm_inputs: dict[str, dict[str, torch.Tensor]] | None = None,
