@@ -8,7 +8,10 @@ peak, clean process group); steady-state numbers are medians over the steps afte
 StreamRFT before the last (which also writes the final checkpoint): run --steps 4 or more.
 StreamRFT keeps its optimizer state on the GPU between phases (train.offload_between_phases=false).
 
-    python benchmarks/gpu_grpo.py --out DIR [--sizes 0.5b,1.5b] [--steps 3] [--systems streamrft,trl,eager]
+    python benchmarks/gpu_grpo.py --out DIR [--sizes 0.5b,1.5b] [--steps 3] [--systems streamrft,async,trl,eager]
+
+``async`` is StreamRFT with rollout.placement=async on the same one GPU: an engine process decodes the next
+step (staleness <= 1) while the learner trains this one.
     python benchmarks/gpu_grpo.py --tiny --out /tmp/x      # CPU dry run: tiny shapes, few tokens
 """
 
@@ -73,7 +76,7 @@ def build_model(size: str, wl: dict, out: Path, device: str) -> Path:
 
 
 # ---------------------------------------------------------------- StreamRFT worker ------------------
-def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dict:
+def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placement: str = "colocated") -> dict:
     import asyncio
 
     import torch
@@ -85,7 +88,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dic
     from streamrft.runtime.driver import _shutdown, train_loop
 
     cuda = torch.cuda.is_available()
-    tag = "streamrft" if fast else "eager"
+    tag = ("streamrft" if placement == "colocated" else "async") if fast else "eager"
     run_dir = out / f"run_{size}_{tag}"
     overrides = [
         f"output_dir={run_dir}", f"model.path={out / f'model_{size}'}", "model.dtype=bfloat16",
@@ -98,7 +101,12 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dic
         f"train.max_steps={steps}", "train.lr=1e-6", f"train.micro_batch_tokens={wl['micro_batch'] * (wl['prompt_len'] + wl['new'])}",
         "algorithm.advantage_estimator=group_norm", "algorithm.policy_loss=ppo_clip", "algorithm.kl_coef=0.0",
         # one GPU with room for both phases: keep the optimizer state on the device (TRL does not offload either)
-        "train.offload_between_phases=false",
+        *(["train.offload_between_phases=false"] if placement == "colocated" else []),
+        f"rollout.placement={placement}",
+        # async, one GPU overlapped: the engine process decodes while the learner trains (staleness <= 1),
+        # holding at most this share of the GPU's memory (its weights, KV cache and graphs)
+        *(["rollout.max_staleness=1", f"rollout.engine_memory_fraction={0.3 if cuda else 0.0}"]
+          if placement == "async" else []),
         *os.environ.get("STREAMRFT_BENCH_EXTRA", "").split(),  # extra key=value overrides for an experiment
     ]
     cfg_path = out / f"cfg_{size}_{tag}.yaml"
@@ -141,7 +149,9 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dic
 
     async def main():
         try:
-            await train_loop(run)
+            summary.update(await train_loop(run))
+            if placement == "async":  # the rollout engine lives in its own process: no engine-only timing here
+                return float("nan")
             # the engine alone, after training (weights unsharded for rollout): one full generate call
             rng = random.Random(1)
             reqs = [GenerationRequest(f"b{i}", [rng.randrange(3, 29) for _ in range(wl["prompt_len"])], seed=i)
@@ -156,6 +166,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dic
         finally:
             await _shutdown(run)
 
+    summary: dict = {}
     engine_s = asyncio.run(main())
     rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     # steady state: not the first step (warm-up) and not the last (it also writes the final checkpoint)
@@ -173,7 +184,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool) -> dic
         "reload_s": med("phase/reload_seconds"), "engine_only_s": engine_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "step_times": [r.get("step_seconds") for r in rows], "rollout_times": times["rollout"],
-        "train_times": times["train"],
+        "train_times": times["train"], "both_busy": summary.get("async_both_busy_fraction", 0.0),
     }
 
 
@@ -275,7 +286,7 @@ def report(results: dict, ceilings: dict, wl: dict, sizes: list[str]) -> str:
         rf = rollout_flops(s, B, wl["prompt_len"], wl["new"])
         lines.append(f"{size}: rollout floor {pf + dec:.3f} s (prefill {pf:.3f} + decode {dec:.3f}); "
                      f"train {tf / 1e15:.2f} PFLOP, rollout {rf / 1e15:.2f} PFLOP")
-        for system in ("streamrft", "eager", "trl"):
+        for system in ("streamrft", "async", "eager", "trl"):
             r = results.get(f"{size}_{system}")
             if r is None:
                 continue
@@ -288,7 +299,11 @@ def report(results: dict, ceilings: dict, wl: dict, sizes: list[str]) -> str:
                 f"{r['phase_switch_s']:8.3f} {r['weight_sync_s']:7.3f} {r['engine_only_s']:6.2f} "
                 f"{100 * (pf + dec) / r['engine_only_s']:6.1f} {100 * tf / (r['train_s'] * rate):7.1f} "
                 f"{100 * (tf + rf) / (r['step_s'] * rate):8.1f}")
-        a, b = results.get(f"{size}_streamrft", {}), results.get(f"{size}_trl", {})
+        a, b, c = results.get(f"{size}_streamrft", {}), results.get(f"{size}_trl", {}), results.get(f"{size}_async", {})
+        if "step_s" in c and "step_s" in a:
+            lines.append(f"{size:5} ratio     async/colocated step throughput {a['step_s'] / c['step_s']:.2f}x"
+                         + (f", async/TRL {b['step_s'] / c['step_s']:.2f}x" if "step_s" in b else "")
+                         + f"; both busy {c.get('both_busy', 0.0):.2f} of the wall time")
         if "step_s" in a and "step_s" in b:
             lines.append(f"{size:5} ratio     StreamRFT/TRL: step throughput {b['step_s'] / a['step_s']:.2f}x, "
                          f"rollout tok/s {a['rollout_tok_s'] / b['rollout_tok_s']:.2f}x, "
@@ -315,8 +330,8 @@ def main() -> None:
             if a.worker == "trl":
                 res = run_trl(a.size, wl, out, a.steps)
             else:
-                res = run_streamrft(a.size, wl, out, a.steps if a.worker == "streamrft" else 2,
-                                    fast=a.worker == "streamrft")
+                res = run_streamrft(a.size, wl, out, a.steps if a.worker != "eager" else 2,
+                                    fast=a.worker != "eager", placement="async" if a.worker == "async" else "colocated")
         except Exception as exc:  # noqa: BLE001 - reported in the table
             import traceback
 
