@@ -56,6 +56,7 @@ from streamrft.checkpoint.layout import (
     write_meta,
 )
 from streamrft.checkpoint.rng import rng_state, set_rng_state
+from streamrft.config.base import ConfigError
 from streamrft.config.checkpoint import validate_checkpoint
 
 
@@ -119,7 +120,7 @@ class Checkpointer:
             self._say(f"skipped checkpoint {path}: {error}")
             skipped.append((path, error))
         if skipped:
-            raise ValueError(
+            raise ConfigError(
                 f"no checkpoint in {out}/checkpoints loads: " + "; ".join(f"{p.name}: {r}" for p, r in skipped)
                 + "; move them aside to start fresh, or pass a new output_dir")
         return None
@@ -142,7 +143,7 @@ class Checkpointer:
                     raise ValueError(f"{rank_file(path, self.dist.rank)} has no state for {name!r}; was it saved "
                                      "with other algorithm settings?")
         except (Exception, CheckpointException) as exc:  # any failure to read this checkpoint: try the next one
-            error = f"rank {self.dist.rank}: {type(exc).__name__}: {exc}"
+            error = f"rank {self.dist.rank}: {_reason(exc)}"
         failed = all_reduce_max(torch.tensor([0.0 if error is None else 1.0]), stage="checkpoint_resume",
                                 timeout_s=self.cfg.rollout.stage_timeout_s).item()
         if failed and error is None:
@@ -262,6 +263,16 @@ class Checkpointer:
     def _say(self, text: str) -> None:
         if self.dist.rank == 0:
             print(f"streamrft: {text}", flush=True)
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for why a load failed; DCP's CheckpointException holds the real error per rank."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 class CheckpointWriteError(OSError):
