@@ -100,6 +100,7 @@ def observed(arith_dir, tmp_path_factory):
     overrides = arith_overrides(
         arith_dir, out / "run", "train.max_steps=60", f"metrics.port={port}", "metrics.tensorboard=true",
         f"metrics.wandb_project={SECRET}",  # a config string equal to a credential's value: must be redacted
+        "metrics.wandb=true", "metrics.wandb_mode=disabled",  # wandb_project applies only with metrics.wandb
         f"sinks.jsonl={out / 'jsonl'}", f"sinks.parquet={out / 'parquet'}",
         "algorithm.dynamic_sampling=true", "algorithm.max_extra_prompts=4",  # filtered samples, by reason
     )
