@@ -108,6 +108,11 @@ def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_
         logps.append(logp_n)
         ents.append(ent_n)
     zeros_BL = hidden_BLH.new_zeros(B, L, dtype=torch.float32)
+    if not logps and torch.is_grad_enabled() and (hidden_BLH.requires_grad or weight.requires_grad):
+        # no response token here (a padding microbatch of a rank with fewer samples): a zero that still
+        # depends on every weight, so backward runs and the sharded learner's gradient collectives match
+        # the other ranks' (a loss without a graph cannot be backpropagated at all)
+        zeros_BL = zeros_BL + 0.0 * (hidden_BLH.float().sum() + weight.float().sum())
     logp_N = torch.cat(logps) if logps else zeros_BL.new_zeros(0)
     logp_BL = zeros_BL.index_put((b_N, t_N), logp_N)
     entropy_BL = None

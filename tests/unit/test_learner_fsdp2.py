@@ -203,3 +203,22 @@ def test_gradient_checkpointing_gives_the_same_grads_and_frozen_prefixes_stay_fi
     assert grads[0].keys() == grads[1].keys() and not any(k.startswith("model.layers.0.") for k in grads[0])
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-7, rtol=1e-5)
+
+
+def test_a_padding_microbatch_backpropagates_a_zero_through_every_weight(dist, model_dir):
+    """A rank whose samples all failed trains padding microbatches (no response token) so that its
+    forwards match the other ranks'; their loss must still have a graph over every weight (backward
+    runs, sharded gradient collectives match), and contribute exactly zero."""
+    from streamrft.learner.microbatch import padding_microbatch
+
+    strategy = FSDP2Strategy(*configs(model_dir), dist, total_steps=1)
+    mb = padding_microbatch(["adv"])
+
+    def loss_fn(mb, logp_BL, entropy_BL):
+        return (logp_BL * mb["response_mask"]).sum() + (entropy_BL * mb["response_mask"]).sum(), {}
+
+    out = strategy.forward_backward(mb, loss_fn, temperature=1.0, with_entropy=True)
+    assert out["loss"] == 0.0
+    grads = [p.grad for p in strategy.module.parameters() if p.requires_grad]
+    assert grads and all(g is not None for g in grads)
+    assert all(float(g.full_tensor().abs().sum() if hasattr(g, "full_tensor") else g.abs().sum()) == 0.0 for g in grads)
