@@ -87,10 +87,7 @@ def build_run(cfg: Config, dist) -> Run:
         engine = eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)
     else:
         engine = build_engine(cfg.engine, strategy.module, tokenizer, dist.device, model_path=cfg.model.path)
-        if hasattr(engine, "with_config"):  # vllm / sglang: a second view of the same engine, not a second engine
-            eval_engine = engine.with_config(greedy_engine_config(cfg.engine))
-        else:
-            eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)
+        eval_engine = engine.with_config(greedy_engine_config(cfg.engine))  # same weights, greedy sampling
     scorer = build_reward_scorer(cfg.reward)
     teacher = build_teacher_client(cfg.teacher, cfg.reward.timeout_s, cfg.reward.retries)
     accounting = Accounting(rank=dist.rank)

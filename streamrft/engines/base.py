@@ -39,11 +39,33 @@ class GeneratedSample:
 
 
 class RolloutEngine(Protocol):
+    """Every method the runtime calls on an engine (hf, vllm, sglang implement all of them; the runtime
+    never probes an engine with hasattr/getattr)."""
+
     # the version of the weights the engine samples with now; tokens sampled from now on carry it
     policy_version: int
+    # whether ``generate`` takes media prompts (``mm_inputs``): image / video / audio rows
+    supports_media: bool
 
-    def generate(self, requests: list[GenerationRequest]) -> AsyncIterator[GeneratedSample]:
-        """Yield each sample as soon as its own generation ends (not when the batch ends)."""
+    def generate(self, requests: list[GenerationRequest], mm_inputs: dict | None = None) -> AsyncIterator[GeneratedSample]:
+        """Yield each sample as soon as its own generation ends (not when the batch ends). ``mm_inputs``
+        (request_id -> processor inputs) only where ``supports_media``."""
+        ...
+
+    async def generate_all(self, requests: list[GenerationRequest], mm_inputs: dict | None = None) -> list[GeneratedSample]:
+        """All samples, in request order."""
+        ...
+
+    def with_config(self, cfg) -> "RolloutEngine":
+        """Another engine over the same weights with other sampling settings (the greedy evaluation)."""
+        ...
+
+    def quiesce(self) -> None:
+        """Return once no forward of a cancelled generate() is still running in a worker thread."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds beyond the process (an in-process vLLM, a weights group)."""
         ...
 
     async def sleep(self, level: int = 1) -> None:

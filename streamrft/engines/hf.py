@@ -129,6 +129,7 @@ class HFEngine:
     ):
         validate_engine_config(cfg)
         self.module = module
+        self._eos_token_ids = list(eos_token_ids)
         # True: ``module`` is this engine's private copy (async placement), so update_weights may land while
         # generate() runs; False: it is the learner's model, whose weights must not change under a generate()
         self.own_weights = own_weights
@@ -403,6 +404,16 @@ class HFEngine:
         return tokens_B.tolist(), logp_B.tolist(), version
 
     # ------------------------------------------------------------------ lifecycle and weights
+
+    supports_media = True
+
+    def with_config(self, cfg: EngineConfig) -> "HFEngine":
+        """Another engine on the same module with other sampling settings (the greedy evaluation)."""
+        return HFEngine(self.module, cfg, self._eos_token_ids, self.pad_token_id, self.device,
+                        policy_version=self.policy_version, own_weights=self.own_weights)
+
+    def close(self) -> None:
+        """Nothing beyond the module, which belongs to the learner (or to this process)."""
 
     def quiesce(self) -> None:
         """Return once no forward is running in a worker thread. A generate() cancelled by a signal does

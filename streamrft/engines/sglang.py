@@ -121,6 +121,11 @@ class SGLangEngine:
         self._group = None  # the distributed weight group, joined on the first distributed push
         self._active = 0
 
+    supports_media = False  # media prompts need engine.type=hf
+
+    def quiesce(self) -> None:
+        """Generation runs in the engine's own workers, not in a thread on the learner's module."""
+
     def with_config(self, cfg: EngineConfig) -> SGLangEngine:
         """Another client of the same server with other sampling settings (e.g. greedy evaluation)."""
         return SGLangEngine(cfg, self.stop_token_ids, self.policy_version)
@@ -153,8 +158,10 @@ class SGLangEngine:
                                policy_version=self.policy_version, seconds=time.perf_counter() - start,
                                token_versions=[self.policy_version] * len(ids))
 
-    async def generate(self, requests: list[GenerationRequest]) -> AsyncIterator[GeneratedSample]:
+    async def generate(self, requests: list[GenerationRequest], mm_inputs: dict | None = None) -> AsyncIterator[GeneratedSample]:
         """Yield each sample as soon as its own call returns."""
+        if mm_inputs:
+            raise ValueError("engine.type=sglang cannot take media prompts yet; use engine.type=hf")
         if len({r.request_id for r in requests}) != len(requests):
             raise ValueError("request ids of one generate() call must be unique")
         start = time.perf_counter()
@@ -168,8 +175,8 @@ class SGLangEngine:
                 t.cancel()
             self._active -= 1
 
-    async def generate_all(self, requests: list[GenerationRequest]) -> list[GeneratedSample]:
-        by_id = {s.request_id: s async for s in self.generate(requests)}
+    async def generate_all(self, requests: list[GenerationRequest], mm_inputs: dict | None = None) -> list[GeneratedSample]:
+        by_id = {s.request_id: s async for s in self.generate(requests, mm_inputs)}
         return [by_id[r.request_id] for r in requests]
 
     # ------------------------------------------------------------------ lifecycle and weights

@@ -267,6 +267,11 @@ class VLLMEngine:
         self._inproc = None if self.remote else (_shared or _InProcessLLM(cfg, model_path, dtype_name, self.device))
         self._active = 0
 
+    supports_media = False  # media prompts need engine.type=hf
+
+    def quiesce(self) -> None:
+        """Generation runs in the engine's own workers, not in a thread on the learner's module."""
+
     def with_config(self, cfg: EngineConfig) -> VLLMEngine:
         """Another engine on the SAME vLLM instance with other sampling settings (e.g. greedy evaluation)."""
         return VLLMEngine(cfg, self.model_path, None, self.device, eos_token_ids=self.stop_token_ids,
@@ -280,8 +285,10 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, requests: list[GenerationRequest]) -> AsyncIterator[GeneratedSample]:
+    async def generate(self, requests: list[GenerationRequest], mm_inputs: dict | None = None) -> AsyncIterator[GeneratedSample]:
         """Yield each sample as soon as its own sequence ends (stop token or length)."""
+        if mm_inputs:
+            raise ValueError("engine.type=vllm cannot take media prompts yet; use engine.type=hf")
         _check_requests(requests)
         if self._inproc is not None and self._inproc.llm is None:
             raise RuntimeError("VLLMEngine.generate called after close(); build a new engine")
@@ -311,9 +318,9 @@ class VLLMEngine:
         finally:
             self._active -= 1
 
-    async def generate_all(self, requests: list[GenerationRequest]) -> list[GeneratedSample]:
+    async def generate_all(self, requests: list[GenerationRequest], mm_inputs: dict | None = None) -> list[GeneratedSample]:
         """All samples, in request order."""
-        by_id = {s.request_id: s async for s in self.generate(requests)}
+        by_id = {s.request_id: s async for s in self.generate(requests, mm_inputs)}
         return [by_id[r.request_id] for r in requests]
 
     def _sample(self, req: GenerationRequest, ids, logps, reason: str | None, start: float) -> GeneratedSample:

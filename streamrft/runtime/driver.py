@@ -111,8 +111,7 @@ def _check_failures(run, step: int, batch, progress) -> None:
     from streamrft.runtime.failure_policy import FailurePolicyError, check_step
 
     failed, firsts = run.accounting.take_step_failures(step)
-    take = getattr(run.scorer, "take_step", None)
-    sources = take(step) if take is not None else {}
+    sources = run.scorer.take_step(step)  # per source: scored and failed counts of the step
 
     def reduce(values):
         return run.actor.all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist()
@@ -282,9 +281,7 @@ async def _shutdown(run) -> None:
                             "final step; its values were not scraped", run.dist.rank, timeout)
         stop_exporter(run.exporter)
     for engine in {id(e): e for e in (run.engine, run.eval_engine)}.values():
-        close = getattr(engine, "close", None)  # vllm: its shutdown also tears down its own state
-        if close is not None:
-            close()
+        engine.close()  # vllm: its shutdown also tears down its own state
 
 
 async def run_with_signals(run) -> dict[str, float]:
@@ -306,9 +303,7 @@ async def run_with_signals(run) -> dict[str, float]:
         return await train_loop(run)
     except asyncio.CancelledError:
         if received:
-            quiesce = getattr(run.engine, "quiesce", None)
-            if quiesce is not None:  # a forward of the cancelled rollout may still run in its thread
-                quiesce()
+            run.engine.quiesce()  # a forward of the cancelled rollout may still run in its thread
             run.checkpointer.save_on_signal()  # the last completed step, unless it is saved already
             raise KeyboardInterrupt(f"streamrft: stopped by {received[0]} on rank {run.dist.rank}; sockets closed") from None
         raise

@@ -90,11 +90,9 @@ class Generator(Stage):
             self._init_media()
 
     def _init_media(self) -> None:
-        import inspect
-
         from streamrft.models.media_inputs import MediaCodec, load_processor
 
-        if "mm_inputs" not in inspect.signature(self.engine.generate).parameters:
+        if not self.engine.supports_media:
             raise ValueError(f"engine.type={self.cfg.engine.type!r} cannot take media prompts yet; "
                              "use engine.type=hf for rows with data.image_field / video_field / audio_field")
         self.media = MediaCodec.from_config(load_processor(self.cfg.model.path), self.cfg.data)
@@ -312,7 +310,7 @@ class Generator(Stage):
         for group, _ in groups:
             self.mm_inputs.pop(group.group_id, None)
         started = time.perf_counter()
-        stream = self.engine.generate(requests, mm_inputs=mm) if mm else self.engine.generate(requests)
+        stream = self.engine.generate(requests, mm_inputs=mm or None)
         async for out in stream:
             group, ids, j = meta.pop(out.request_id)
             response = torch.tensor(out.response_ids, dtype=torch.int64)

@@ -41,8 +41,7 @@ def trajectory_records(run, step: int, batch, dropped=()) -> list[TrajectoryReco
     """``batch``: the step's TrainBatch (trained samples, and those dropped as stale at take time);
     ``dropped``: (ScoredSample, tensors, status, reason) from the AdvantageStage."""
     records = []
-    policy = getattr(run.actor, "last_policy_logprobs", [])
-    entropy = getattr(run.actor, "last_entropy", [])
+    policy, entropy = run.actor.last_policy_logprobs, run.actor.last_entropy
     for i, s in enumerate(batch):
         adv = float(s.advantages[0]) if s.advantages is not None and len(s.advantages) else 0.0
         lp = policy[i] if i < len(policy) else None

@@ -41,8 +41,8 @@ class RecordingEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    async def generate(self, requests):
-        async for out in self.engine.generate(requests):
+    async def generate(self, requests, mm_inputs=None):
+        async for out in self.engine.generate(requests, mm_inputs):
             self.yield_times.append(time.perf_counter())
             yield out
 
