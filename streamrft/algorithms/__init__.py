@@ -57,6 +57,24 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "gae": Estimator(gae, scope="batch", needs_critic=True),
 }
 
+
+
+def one_group_advantages(rewards_B, response_lens: list[int], cfg: AlgorithmConfig) -> list:
+    """Per-sample advantage vectors (response_len,) of ONE prompt group, from the group-scope estimator
+    ``cfg.advantage_estimator`` (the AdvantageStage calls this as each group completes; batch-scope
+    estimators run in the learner over the global batch with the same registry)."""
+    import torch
+
+    estimator = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
+    if estimator.scope != "group":
+        raise ValueError(f"algorithm.advantage_estimator={cfg.advantage_estimator!r} is batch-scope, not per group")
+    _, mask_BT = pad_rows([torch.ones(n) for n in response_lens])
+    inputs = AdvantageInputs(rewards=rewards_B.to(torch.float32), group_index=torch.zeros(len(response_lens), dtype=torch.int64),
+                             response_mask=mask_BT, token_rewards=None, values=None)
+    adv_BT = estimator.fn(inputs, cfg).advantages
+    return [adv_BT[i, :n].clone() for i, n in enumerate(response_lens)]
+
+
 POLICY_LOSSES: dict[str, Callable[[PolicyLossInputs, AlgorithmConfig], PolicyLossOutput]] = {
     "ppo_clip": ppo_clip,
     "clip_higher": clip_higher,
@@ -68,6 +86,7 @@ POLICY_LOSSES: dict[str, Callable[[PolicyLossInputs, AlgorithmConfig], PolicyLos
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "one_group_advantages",
     "POLICY_LOSSES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",

@@ -13,24 +13,9 @@ import time
 import torch
 
 from protocols import Control, ScoredSample
-from streamrft.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, clip_rewards, pad_rows
+from streamrft.algorithms import ADVANTAGE_ESTIMATORS, clip_rewards, one_group_advantages
 from streamrft.algorithms.filters import overlong_penalty, zero_variance_groups
 from streamrft.runtime.stage import Stage, StageContext
-
-
-def group_advantages(rewards_B: torch.Tensor, response_lens: list[int], algo_cfg) -> list[torch.Tensor]:
-    """Per-sample advantage vectors (response_len,) of one prompt group, from a group-scope estimator."""
-    estimator = ADVANTAGE_ESTIMATORS[algo_cfg.advantage_estimator]
-    _, mask_BT = pad_rows([torch.ones(n) for n in response_lens])
-    inputs = AdvantageInputs(
-        rewards=rewards_B.to(torch.float32),
-        group_index=torch.zeros(len(response_lens), dtype=torch.int64),
-        response_mask=mask_BT,
-        token_rewards=None,
-        values=None,
-    )
-    adv_BT = estimator.fn(inputs, algo_cfg).advantages
-    return [adv_BT[i, :n].clone() for i, n in enumerate(response_lens)]
 
 
 class AdvantageStage(Stage):
@@ -103,7 +88,7 @@ class AdvantageStage(Stage):
                 reason = "filtered:zero_variance"
         if reason == "kept":
             if self.estimator.scope == "group":
-                advs = group_advantages(rewards, [s.completion.response_len for s, _ in ok], self.algo)
+                advs = one_group_advantages(rewards, [s.completion.response_len for s, _ in ok], self.algo)
                 for (s, tensors), adv in zip(ok, advs):
                     tensors["advantages"] = adv.to(torch.float32)
             for s, tensors in ok:
