@@ -154,7 +154,8 @@ def test_item13_error_texts_name_a_command_that_exists_and_say_what_metrics_port
     cfg.model.path = str(tmp_path)
     with pytest.raises(ConfigError) as err:
         validate_model(cfg)
-    assert "`make demo` or pipelines/arith/prepare.py builds one in runs/arith/sft" in str(err.value)
+    assert f"model.path={tmp_path}: no config.json there" in str(err.value)
+    assert "streamrft demo" not in str(err.value)  # no such command (the demo is `make demo`)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
