@@ -36,7 +36,9 @@ service lifetime; an id reused for different items is scored as the new request 
 in memory, so after a restart a retried request is scored again (at-least-once across restarts).
 
 HTTP (``--http host:port``): POST any path with JSON ``{"queries": [...], "prompts": [...],
-"references": [...], "labels": [...], "request_id": "..."}`` and get ``{"rewards": [...]}``.
+"references": [...], "labels": [...], "request_id": "..."}`` and get ``{"rewards": [...]}``; or OpenRLHF's
+remote-RM body ``{"query": [...], "prompts": [...], "labels": [...]}`` (labels = gold answers, used as the
+references) and get ``{"rewards": [...], "scores": [...]}``.
 ``queries`` are prompt + response texts (the OpenRLHF convention); when ``prompts[i]`` is a prefix
 of ``queries[i]`` the response is the rest, otherwise the whole query is the response. ``prompts``,
 ``labels`` and ``request_id`` are optional; ``references`` too, unless the function needs them (the
@@ -503,7 +505,7 @@ def _http_handler(service: RewardService, loop: asyncio.AbstractEventLoop):
                 self.close_connection = True
                 return 400, {"error": f"body ended after {len(raw)} of {length} bytes (Content-Length)"}
             try:
-                request = _request_from_json(raw, service.needs_reference, service.fn.name)
+                request, openrlhf = _parse_body(raw, service.needs_reference, service.fn.name)
             except ValueError as exc:
                 service.n_errors += 1
                 return 400, {"error": str(exc)}
@@ -520,19 +522,52 @@ def _http_handler(service: RewardService, loop: asyncio.AbstractEventLoop):
                 if reply.error.startswith("request has "):
                     status = 413
                 return status, {"error": reply.error}
-            return 200, {"rewards": [None if math.isnan(r) else r for r in reply.rewards]}
+            rewards = [None if math.isnan(r) else r for r in reply.rewards]
+            # OpenRLHF's client reads "rewards" (advantages) and "scores" (dynamic filtering); both are the reward.
+            return 200, {"rewards": rewards, "scores": rewards} if openrlhf else {"rewards": rewards}
 
     return Handler
 
 
 def _request_from_json(raw: bytes, needs_reference: bool = False, fn_name: str = "the reward function") -> RewardRequest:
     """Parse the HTTP body; ValueError (and nothing else, for any bytes) names the field that is wrong."""
+    return _parse_body(raw, needs_reference, fn_name)[0]
+
+
+def _from_openrlhf(body: Any, needs_reference: bool, fn_name: str) -> tuple[Any, bool]:
+    """OpenRLHF's remote-RM body ``{"query": [...], "prompts": [...], "labels": [...]}`` (labels are gold
+    answers; the oldest clients send ``query`` alone) as this service's body, and whether it was one."""
+    if not isinstance(body, dict) or "queries" in body or "query" not in body:
+        return body, False
+    queries = body["query"]
+    if not isinstance(queries, list):
+        raise ValueError('"query" must be a list of prompt+response strings (the OpenRLHF body)')
+    if needs_reference and "labels" not in body:
+        raise ValueError(f'{fn_name} compares with a reference: the OpenRLHF body needs "labels" (the gold answers), '
+                         "one per query")
+    labels = body.get("labels", [""] * len(queries))
+    if isinstance(labels, list):  # a label that is not text is refused below, by the "references" check
+        labels = ["" if v is None else v for v in labels]
+        if needs_reference and "" in labels:
+            raise ValueError(f'{fn_name} compares with a reference: "labels"[{labels.index("")}] is empty '
+                             "(OpenRLHF's labels are the gold answers)")
+        if len(labels) != len(queries) or not all(isinstance(v, str) for v in labels):
+            raise ValueError(f'"labels" must be a list of {len(queries)} strings (the gold answers, one per query)')
+    translated = {"queries": queries, "references": labels}
+    if "prompts" in body:
+        translated["prompts"] = body["prompts"]
+    return translated, True
+
+
+def _parse_body(raw: bytes, needs_reference: bool, fn_name: str) -> tuple[RewardRequest, bool]:
+    """The request of an HTTP body, and whether it came in OpenRLHF's shape (answered with "scores" too)."""
     try:
         body = json.loads(raw)
     except RecursionError:
         raise ValueError("body is not JSON this service reads: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer too long to convert
         raise ValueError(f"body is not JSON: {exc}") from None
+    body, openrlhf = _from_openrlhf(body, needs_reference, fn_name)
     if not isinstance(body, dict) or not isinstance(body.get("queries"), list):
         raise ValueError('body must be an object with "queries": a list of prompt+response strings')
     queries = body["queries"]
@@ -569,7 +604,7 @@ def _request_from_json(raw: bytes, needs_reference: bool = False, fn_name: str =
         _items_encoder.encode(request)
     except UnicodeEncodeError as exc:
         raise ValueError(f"body holds a string that is not valid Unicode: {exc}") from None
-    return request
+    return request, openrlhf
 
 
 def _parse_http(http: str) -> tuple[str, int]:
