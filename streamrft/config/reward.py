@@ -9,7 +9,12 @@ class RewardSourceConfig(Section):
     name: str  # component name, exported as its own metric
     type: Literal["rule", "custom", "remote", "model"] = "rule"  # rule (RULES name) | custom (fn spec) | remote | model
     fn: str = ""  # rule name (arith, gsm8k, math, boxed_format) or module:function or path/file.py:function
+    # custom: how fn is called and its value read: streamrft | trl | verl | openrlhf | auto (by parameter names;
+    # an ambiguous signature is an error), see streamrft/rewards/conventions.py
+    convention: Literal["streamrft", "trl", "verl", "openrlhf", "auto"] = "streamrft"
     address: str = ""  # remote: tcp://host:port (ZeroMQ) or http://host:port
+    # remote over http: the JSON body spoken; openrlhf = {"query", "prompts", "labels"} -> {"rewards"} (or "scores")
+    protocol: Literal["streamrft", "openrlhf"] = "streamrft"
     model_path: str = ""  # model: reward-model directory
     weight: float = 1.0  # weight in the per-label aggregate
     label_weights: dict[str, float] = {}  # per-label weight overriding `weight` for those labels

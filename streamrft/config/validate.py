@@ -187,3 +187,6 @@ def validate_reward_functions(cfg) -> None:
         except Exception as exc:  # the module's own code failed while importing: as fatal as a missing name
             raise ConfigError(f"reward.sources[{i}] ({src.name!r}): importing {src.fn.rpartition(':')[0]} for "
                               f"{src.fn!r} failed: {type(exc).__name__}: {exc}") from None
+        from streamrft.rewards.sources import load_source_function
+
+        load_source_function(src)  # its signature fits reward.sources[].convention (ConfigError naming the source)

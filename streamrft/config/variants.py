@@ -92,6 +92,8 @@ VARIANT_KEYS: dict[str, tuple[str, tuple | str]] = {
     # reward sources (per list item)
     "reward.sources[].fn": ("reward.sources[].type", ("rule", "custom")),
     "reward.sources[].address": ("reward.sources[].type", ("remote",)),
+    "reward.sources[].convention": ("reward.sources[].type", ("custom",)),
+    "reward.sources[].protocol": ("reward.sources[].type", ("remote",)),
     "reward.sources[].model_path": ("reward.sources[].type", ("model",)),
     # data, metrics, sinks
     "data.max_video_frames": ("data.video_field", SET),

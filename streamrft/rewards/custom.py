@@ -19,6 +19,9 @@ of daemon threads (:class:`streamrft.rewards.bounded.BoundedExecutor`, ``max_wor
 ``reward.max_concurrency``), never in the event loop's default executor that the hf engine uses: a
 call that never returns fails its sample at the caller's deadline and blocks neither the engine nor
 shutdown.
+
+Functions written for TRL, verl or OpenRLHF keep their own signatures: ``reward.sources[].convention``
+(``RewardFunction(..., convention=)``) hands the call to an adapter in streamrft.rewards.conventions.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 from protocols import RewardItem
 from streamrft.rewards.bounded import BoundedExecutor
+from streamrft.rewards.conventions import ConventionError, adapter_for
 
 
 class BatchRewardError(RuntimeError):
@@ -107,10 +111,16 @@ def _accepted_keywords(fn: Callable[..., Any], names: Sequence[str]) -> set[str]
 class RewardFunction:
     """One reward function (rule or custom) behind ``async score(items) -> list[float | Exception]``."""
 
-    def __init__(self, fn: Callable[..., Any], name: str, max_workers: int = 16) -> None:
+    def __init__(self, fn: Callable[..., Any], name: str, max_workers: int = 16, convention: str = "streamrft",
+                 source: str = "") -> None:
+        """``convention``: a resolved convention (streamrft.rewards.conventions.resolve_convention);
+        ``source``: the reward source's name, quoted in errors of foreign conventions."""
         self.fn = fn
         self.name = name
-        self.is_batched = bool(getattr(fn, "batched", False))
+        self.convention = convention
+        self.adapter = None if convention == "streamrft" else adapter_for(fn, convention)
+        self._where = f"reward source {source or name!r} ({convention} convention, {name})"
+        self.is_batched = self.adapter.batched if self.adapter is not None else bool(getattr(fn, "batched", False))
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
         kw_names = ("prompts", "labels", "images") if self.is_batched else ("prompt", "label", "images")
         self._keywords = _accepted_keywords(fn, kw_names)
@@ -127,6 +137,8 @@ class RewardFunction:
             self.executor.close()
 
     async def score(self, items: Sequence[RewardItem]) -> list[float | Exception]:
+        if self.adapter is not None:
+            return await self._score_adapted(items)
         if self.is_batched:
             return await self._score_batched(items)
         if len(items) == 1:  # the reward stage scores one sample at a time: no gather, no task
@@ -173,6 +185,36 @@ class RewardFunction:
             except Exception as exc:
                 out.append(exc)
         return out
+
+
+    async def _score_adapted(self, items: Sequence[RewardItem]) -> list[Any]:
+        """A foreign convention (streamrft.rewards.conventions): its adapter builds the arguments and
+        reads the return value; a batched call that raises or returns a wrong shape fails its batch."""
+        adapter = self.adapter
+        if adapter.batched:
+            args, kwargs = adapter.call(self.fn, items)
+            try:
+                result = await self._call(*args, **kwargs)
+                return adapter.read(result, len(items), self._where)
+            except Exception as exc:
+                return [_convention_error(exc, self._where, BatchRewardError)] * len(items)
+
+        async def one(item: RewardItem) -> Any:
+            args, kwargs = adapter.call(self.fn, [item])
+            try:
+                return adapter.read_one(await self._call(*args, **kwargs), self._where)
+            except Exception as exc:
+                return _convention_error(exc, self._where, RuntimeError)
+
+        if len(items) == 1:
+            return [await one(items[0])]
+        return list(await asyncio.gather(*(one(item) for item in items)))
+
+
+def _convention_error(exc: Exception, where: str, kind: type[Exception]) -> Exception:
+    if isinstance(exc, ConventionError):  # already names source, convention and what was wrong
+        return exc
+    return kind(f"{where} raised {type(exc).__name__}: {exc}")
 
 
 def _as_float(value: Any) -> float:

@@ -6,6 +6,10 @@ Two transports, one behaviour:
 * ``http://host:port[/path]``: a JSON POST of ``{"request_id", "queries", "prompts", "references",
   "labels"}`` answered by ``{"rewards": [...]}`` (``null`` = that sample failed) or ``{"error": "..."}``;
   ``queries`` are prompt + response, as the service's HTTP mode expects. Runs urllib in the client's own bounded daemon threads.
+  With ``protocol="openrlhf"`` (``reward.sources[].protocol``) the body is OpenRLHF's remote-RM request
+  ``{"query": [prompt + response], "prompts": [...], "labels": [references]}`` and the rewards are read
+  from ``rewards`` (or ``scores`` when a server sends only that); it carries no request id, so a retry
+  may be scored twice by the server.
 
 Each call of :meth:`RemoteRewardClient.score` is one request with one id, stable across its retries,
 so the service (which caches replies by id) scores a batch once even when a reply is lost and the
@@ -42,6 +46,30 @@ from streamrft.rewards.bounded import BoundedExecutor
 from protocols.base import check_frame
 
 
+PROTOCOLS = ("streamrft", "openrlhf")
+
+
+def _openrlhf_body(items: Sequence[RewardItem]) -> dict:
+    """OpenRLHF's remote-RM request (openrlhf/utils/remote_rm_utils.py): ``query`` prompt + response
+    texts, ``prompts``, ``labels`` = gold answers (our references, not our task labels)."""
+    return {
+        "query": [it.prompt + it.response for it in items],
+        "prompts": [it.prompt for it in items],
+        "labels": [it.reference for it in items],
+    }
+
+
+def _reward_key(answer: dict, protocol: str) -> str:
+    """Where the rewards are in a reply: ``rewards``; an OpenRLHF server may answer ``scores`` only
+    (OpenRLHF reads ``rewards`` for advantages and ``scores`` for filtering; older servers sent one)."""
+    if protocol == "openrlhf" and "rewards" not in answer and "scores" in answer:
+        return "scores"
+    if "rewards" not in answer:
+        expected = "'rewards' (or 'scores')" if protocol == "openrlhf" else "'rewards'"
+        raise ValueError(f"no {expected} in the reply; its keys: {', '.join(map(str, answer))[:200] or 'none'}")
+    return "rewards"
+
+
 class RemoteRewardError(RuntimeError):
     """A request to a remote reward service that ended without usable rewards; names service and cause."""
 
@@ -72,15 +100,22 @@ class RemoteRewardClient:
     most requests ever in flight at once (never above ``max_concurrency``).
     """
 
-    def __init__(self, address: str, timeout_s: float = 30.0, max_concurrency: int = 16, retries: int = 3) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0, max_concurrency: int = 16, retries: int = 3,
+                 protocol: str = "streamrft") -> None:
         if not address.startswith(("tcp://", "http://", "https://")):
             raise ValueError(f"remote reward address {address!r} must start with tcp://, http:// or https://")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"remote reward client for {address}: protocol={protocol!r} is not one of {PROTOCOLS}")
+        if protocol != "streamrft" and address.startswith("tcp://"):
+            raise ValueError(f"remote reward client for {address}: protocol={protocol!r} is an HTTP JSON body; "
+                             "give an http:// address")
         if timeout_s <= 0 or max_concurrency < 1 or retries < 0:
             raise ValueError(
                 f"remote reward client for {address}: timeout_s={timeout_s} must be > 0, "
                 f"max_concurrency={max_concurrency} >= 1, retries={retries} >= 0"
             )
         self.address = address
+        self.protocol = protocol
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         self.retries = retries
@@ -227,14 +262,14 @@ class RemoteRewardClient:
     # --- HTTP -----------------------------------------------------------------------------------
 
     async def _attempt_http(self, request_id: str, items: list[RewardItem]) -> list[float | None]:
-        payload = {
+        payload = _openrlhf_body(items) if self.protocol == "openrlhf" else {
             "request_id": request_id,
             "queries": [it.prompt + it.response for it in items],
             "prompts": [it.prompt for it in items],
             "references": [it.reference for it in items],
             "labels": [it.label for it in items],
         }
-        if any(it.images for it in items):  # the common multimodal shape: a list of base64 images per sample
+        if self.protocol == "streamrft" and any(it.images for it in items):  # a list of base64 images per sample
             payload["images"] = [list(it.images) for it in items]
         body = json.dumps(payload).encode()
         try:
@@ -264,7 +299,9 @@ class RemoteRewardClient:
             raise _Retryable(f"cannot reach {self.address}: {reason}") from None
         try:
             answer = json.loads(raw)
-            rewards = answer["rewards"]
+            if not isinstance(answer, dict):
+                raise TypeError(f"the reply is a {type(answer).__name__}, not a JSON object")
+            rewards = answer[_reward_key(answer, self.protocol)]
             if not isinstance(rewards, list) or not all(r is None or isinstance(r, (int, float)) for r in rewards):
                 raise TypeError(f"'rewards' must be a list of numbers or null, got {str(rewards)[:200]}")
         except (ValueError, KeyError, TypeError) as exc:

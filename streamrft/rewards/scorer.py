@@ -7,7 +7,8 @@ Each gives a component under its own name; the aggregate is
 
 where ``weight_s(L)`` is ``label_weights[L]`` when set, else ``weight``. Sources run concurrently.
 An item fails (reward NaN, ``error`` naming the source and the cause) when any applying source raises,
-times out or gives NaN/inf for it, or when no source applies to its label. ``score()`` never raises
+times out or gives NaN/inf for it, or when no source applies to its label (or every one that does
+answered ``NOT_APPLICABLE`` for it: a TRL function's None, see streamrft/rewards/conventions.py). ``score()`` never raises
 for a source's failure and never waits longer than the slowest source's deadline.
 
 Calls made for a train step (``score(items, step=k)``) are also tallied per step and source (items
@@ -25,6 +26,7 @@ from typing import Sequence
 from protocols import RewardItem
 from streamrft.config.base import ConfigError
 from streamrft.config.reward import RewardConfig
+from streamrft.rewards.conventions import NOT_APPLICABLE
 from streamrft.rewards.sources import RewardSource, build_source
 
 
@@ -78,11 +80,15 @@ class RewardScorer:
         totals = [0.0] * len(items)
         errors: list[list[str]] = [[] for _ in items]
         applied = [False] * len(items)
+        declined: list[list[str]] = [[] for _ in items]
         for src, idx, values in zip(self.sources, picks, results):
             tally = self.by_step.setdefault(step, {}).setdefault(src.name, SourceTally()) if step is not None else None
             if tally is not None:
                 tally.scored += len(idx)
             for i, value in zip(idx, values):
+                if value is NOT_APPLICABLE:  # the function said it does not score this item (TRL's None)
+                    declined[i].append(src.name)
+                    continue
                 applied[i] = True
                 problem = _problem(value)
                 if problem:
@@ -94,10 +100,15 @@ class RewardScorer:
                             tally.first_failure = f"{_describe(value)} in sample {items[i].sample_id}"
                     continue
                 components[i][src.name] = float(value)
+                for key, extra in getattr(value, "extras", {}).items():  # verl's other dict keys: logged, not summed
+                    components[i][f"{src.name}/{key}"] = extra
                 totals[i] += src.weight_for(items[i].label) * float(value)
         outcomes = []
         for i, item in enumerate(items):
-            if not applied[i]:
+            if not applied[i] and declined[i]:
+                errors[i].append(f"every reward source for label {item.label!r} returned None (not applicable): "
+                                 f"{', '.join(declined[i])}")
+            elif not applied[i]:
                 errors[i].append(
                     f"no reward source scores label {item.label!r}; add it to a source's reward.sources[*].labels "
                     "or leave that source's labels empty"

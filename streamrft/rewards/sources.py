@@ -14,6 +14,7 @@ from typing import Callable, Protocol, Sequence
 from protocols import RewardItem
 from streamrft.config.base import ConfigError
 from streamrft.config.reward import RewardConfig, RewardSourceConfig
+from streamrft.rewards.conventions import ConventionError, resolve_convention
 from streamrft.rewards.custom import RewardFunction, load_reward_function
 from streamrft.rewards.rules import RULES
 
@@ -60,18 +61,41 @@ def _build_rule(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBacke
     return LocalFunctionBackend(RewardFunction(RULES[src.fn], name=src.fn, max_workers=cfg.max_concurrency)), cfg.timeout_s
 
 
-def _build_custom(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBackend, float]:
+def load_source_function(src: RewardSourceConfig) -> tuple[object, str]:
+    """The custom function of ``src`` and its resolved convention (streamrft.rewards.conventions);
+    ConfigError naming the source for a bad spec or a signature that does not fit the convention.
+    Run at validation (before any model is loaded) and again when the scorer is built."""
     try:
         fn = load_reward_function(src.fn)
     except ValueError as exc:
         raise ConfigError(f"reward source {src.name!r} (reward.sources[*].fn): {exc}") from None
-    return LocalFunctionBackend(RewardFunction(fn, name=src.fn, max_workers=cfg.max_concurrency)), cfg.timeout_s
+    try:
+        convention = resolve_convention(fn, src.convention, f"reward source {src.name!r} ({src.fn})")
+    except ConventionError as exc:
+        raise ConfigError(str(exc)) from None
+    return fn, convention
+
+
+def _build_custom(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBackend, float]:
+    fn, convention = load_source_function(src)
+    reward_fn = RewardFunction(fn, name=src.fn, max_workers=cfg.max_concurrency, convention=convention, source=src.name)
+    return LocalFunctionBackend(reward_fn), cfg.timeout_s
+
+
+def check_protocol(src: RewardSourceConfig) -> None:
+    """protocol=openrlhf is a JSON body: it needs an http(s) address."""
+    if src.protocol != "streamrft" and not src.address.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"reward source {src.name!r}: protocol={src.protocol!r} is an HTTP JSON body, but address="
+            f"{src.address!r} is not http://host:port[/path]; use an http address or protocol: streamrft"
+        )
 
 
 def _build_remote(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBackend, float]:
     from streamrft.rewards.remote import RemoteRewardClient
 
-    client = RemoteRewardClient(src.address, cfg.timeout_s, cfg.max_concurrency, cfg.retries)
+    check_protocol(src)
+    client = RemoteRewardClient(src.address, cfg.timeout_s, cfg.max_concurrency, cfg.retries, protocol=src.protocol)
     return client, client.deadline_s
 
 

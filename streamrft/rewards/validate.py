@@ -9,7 +9,7 @@ from pathlib import Path
 
 from streamrft.config.base import ConfigError
 from streamrft.rewards.rules import RULES
-from streamrft.rewards.sources import SOURCE_BUILDERS
+from streamrft.rewards.sources import SOURCE_BUILDERS, check_protocol
 
 _SPEC_RE = re.compile(r"^(?P<target>[^:]+\.py|[A-Za-z_][\w.]*):(?P<fn>[A-Za-z_]\w*)$")
 _ADDRESS_RE = re.compile(r"^(tcp://[^:/]+:\d+|https?://[^/:]+(:\d+)?(/.*)?)$")
@@ -101,3 +101,4 @@ def _validate_by_type(src, where: str) -> None:
             raise ConfigError(
                 f"{where}.address={src.address!r} must be tcp://host:port (ZeroMQ) or http://host[:port][/path]"
             )
+        check_protocol(src)  # protocol=openrlhf needs an http address
