@@ -105,7 +105,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         f"rollout.placement={placement}",
         # async, one GPU overlapped: the engine process decodes while the learner trains (staleness <= 1),
         # holding at most this share of the GPU's memory (its weights, KV cache and graphs)
-        *(["rollout.max_staleness=1", f"rollout.engine_memory_fraction={0.3 if cuda else 0.0}"]
+        *(["rollout.max_staleness=1", f"rollout.engine_memory_fraction={0.45 if cuda else 0.0}"]
           if placement == "async" else []),
         *os.environ.get("STREAMRFT_BENCH_EXTRA", "").split(),  # extra key=value overrides for an experiment
     ]

@@ -161,6 +161,7 @@ class HFEngine:
         # held by the worker thread for each forward: a cancelled generate() leaves its thread running, and
         # FSDP swaps the module's registered parameters during a forward (see quiesce)
         self._forward_lock = threading.Lock()
+        self._static_lock: asyncio.Lock | None = None  # one static-cache chunk at a time (see _exclusive)
         # weight switching (own_weights): chunks in flight that pin the weights, and what waits for them.
         # Lock order: _switch_lock, then _forward_lock.
         self._switch_lock = threading.Lock()
@@ -196,12 +197,25 @@ class HFEngine:
             if self.cfg.static_cache:
                 from streamrft.engines.hf_fast import generate_chunk_static
 
-                chunk_fn = lambda reqs, t0: self._pinned_chunk(generate_chunk_static(self, reqs, t0))  # noqa: E731
+                chunk_fn = lambda reqs, t0: self._exclusive(self._pinned_chunk(generate_chunk_static(self, reqs, t0)))  # noqa: E731
             for lo in range(0, len(requests), size):
                 async for sample in chunk_fn(requests[lo : lo + size], start):
                     yield sample
         finally:
             self._exit()
+
+    async def _exclusive(self, chunk: AsyncIterator[GeneratedSample]) -> AsyncIterator[GeneratedSample]:
+        """One static-cache chunk at a time: a chunk owns a preallocated KV cache and captures CUDA graphs,
+        and a capture fails when another thread launches work meanwhile (two generate() calls in flight,
+        as the long-lived Generator makes when it admits more groups before the first call ends)."""
+        if self._static_lock is None:
+            self._static_lock = asyncio.Lock()
+        async with self._static_lock:
+            try:
+                async for sample in chunk:
+                    yield sample
+            finally:
+                await chunk.aclose()
 
     async def _pinned_chunk(self, chunk: AsyncIterator[GeneratedSample]) -> AsyncIterator[GeneratedSample]:
         """Run ``chunk`` with the weights pinned: an update meanwhile is staged until it ends."""

@@ -47,6 +47,7 @@ async def serve(cfg, spec: dict) -> None:
     from streamrft.data import PromptDataset
     from streamrft.engines import build_engine
     from streamrft.learner.fsdp2 import _DTYPES, load_pretrained
+    from streamrft.models.hub import resolve_model_dir
     from streamrft.rewards.scorer import build_reward_scorer
     from streamrft.runtime.accounting import Accounting
     from streamrft.runtime.advantage_stage import AdvantageStage
@@ -72,17 +73,18 @@ async def serve(cfg, spec: dict) -> None:
             raise ValueError(f"rollout.engine_memory_fraction={r.engine_memory_fraction} needs a CUDA device; the "
                              f"engine process runs on {device}: set it to 0")
         torch.cuda.set_per_process_memory_fraction(r.engine_memory_fraction, device)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model.path, "model.path"))
     module = load_pretrained(cfg.model.path, cfg.model, _DTYPES[cfg.model.dtype] if device.type == "cuda" else torch.float32)
     module.to(device).eval()
     engine = build_engine(cfg.engine, module, tokenizer, device, model_path=cfg.model.path, own_weights=True)
     d = cfg.data
-    dataset = PromptDataset(d.train_path, d.prompt_field, d.reference_field, d.label_field)
+    dataset = PromptDataset.from_config(d.train_path, d)
     scorer = build_reward_scorer(cfg.reward)
     teacher = build_teacher_client(cfg.teacher, cfg.reward.timeout_s, cfg.reward.retries)
     accounting = Accounting(rank=rank)
     ctx = StageContext(rank=rank, stage_timeout_s=timeout_s, accounting=accounting, fail_fast=cfg.fail_fast)
-    gate = AdmissionGate(r.max_staleness, max_groups_in_flight(r.channel_capacity, r.n_samples_per_prompt), version=-1)
+    gate = AdmissionGate(r.max_staleness, max_groups_in_flight(r.channel_capacity, r.n_samples_per_prompt,
+                                                               r.prompts_per_step // n_engines), version=-1)
 
     sockets = []
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 
 
-def max_groups_in_flight(channel_capacity: int, n_samples_per_prompt: int) -> int:
-    """Groups admitted but not yet resolved: as many whole groups as one stage inbox holds."""
-    return max(1, channel_capacity // n_samples_per_prompt)
+def max_groups_in_flight(channel_capacity: int, n_samples_per_prompt: int, groups_per_step: int = 1) -> int:
+    """Groups admitted but not yet resolved: as many whole groups as one stage inbox holds, and never fewer
+    than one step's groups on this rank, so a step is generated as one batch (decode efficiency on GPUs,
+    as the step loop did); the channels' credits then pace the samples downstream."""
+    return max(1, channel_capacity // n_samples_per_prompt, groups_per_step)
 
 
 class AdmissionGate:

@@ -33,7 +33,8 @@ class Pipeline:
         self.cfg, self.ctx, self.world_size = cfg, ctx, world_size
         self.engine, self.tokenizer, self.dataset, self.scorer, self.teacher = engine, tokenizer, dataset, scorer, teacher
         r = cfg.rollout
-        self.gate = AdmissionGate(r.max_staleness, max_groups_in_flight(r.channel_capacity, r.n_samples_per_prompt),
+        self.gate = AdmissionGate(r.max_staleness, max_groups_in_flight(r.channel_capacity, r.n_samples_per_prompt,
+                                                                        r.prompts_per_step // world_size),
                                   metrics=ctx.metrics)
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self._sockets: list = []

@@ -66,7 +66,8 @@ def test_staleness_1_trains_one_version_behind_and_never_more(warm_arith, tmp_pa
 
 
 def test_prompts_per_step_600_with_capacity_256_runs(warm_arith, tmp_path):
-    """600 groups of 4 through inboxes of 256 credits: 64 groups in flight at a time, no deadlock."""
+    """600 groups of 4 (2400 samples, one generate batch) through inboxes of 256 credits: the Generator
+    consumes group_done while it still sends, so the credits pace it and nothing deadlocks."""
     proc = train(warm_arith, tmp_path / "run", "rollout.prompts_per_step=600", "rollout.n_samples_per_prompt=4",
                  "rollout.channel_capacity=256", "train.max_steps=1", "data.eval_path=")
     summary = json.loads(proc.stdout.split("summary: ", 1)[1].splitlines()[0])
