@@ -79,8 +79,8 @@ def build_run(cfg: Config, dist) -> Run:
     torch.manual_seed(cfg.seed)
     set_deterministic(cfg.train.deterministic)
     d = cfg.data
-    dataset = PromptDataset(d.train_path, d.prompt_field, d.reference_field, d.label_field)
-    eval_dataset = PromptDataset(d.eval_path, d.prompt_field, d.reference_field, d.label_field) if d.eval_path else None
+    dataset = PromptDataset.from_config(d.train_path, d)
+    eval_dataset = PromptDataset.from_config(d.eval_path, d) if d.eval_path else None
     strategy, reference, critic, actor = build_learner(cfg, dist)
     tokenizer = strategy.tokenizer
     if cfg.rollout.placement == "async":  # engine processes hold their own copies; the learner only evaluates

@@ -116,23 +116,70 @@ def validate_train(cfg) -> None:
 
 
 def validate_model(cfg) -> None:
+    """Every model path is a local Hugging Face directory or a hub id in the local cache (streamrft.models.hub)."""
+    from streamrft.models.hub import resolve_model_dir
+
     if not cfg.model.path:
-        raise ConfigError("model.path is empty; set it to a Hugging Face model directory")
-    p = Path(cfg.model.path)
-    if not (p / "config.json").exists():
-        raise ConfigError(
-            f"model.path={cfg.model.path}: no config.json there; point model.path at a Hugging Face "
-            "model directory (for the arith demo, `make demo` or pipelines/arith/prepare.py builds one in runs/arith/sft)"
-        )
+        raise ConfigError("model.path is empty; set it to a Hugging Face model directory or a cached hub id "
+                          "(for the arith demo, `make demo` or pipelines/arith/prepare.py builds one in runs/arith/sft)")
+    for key in ("path", "reference_path", "critic_path"):
+        value = getattr(cfg.model, key)
+        if value:
+            try:
+                resolve_model_dir(value, f"model.{key}")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def validate_data(cfg) -> None:
-    if not cfg.data.train_path:
+    from streamrft.data.chat import check_chat_setting
+    from streamrft.data.rows import datasets_missing_error, is_datasets_source
+
+    d = cfg.data
+    if not d.train_path:
         raise ConfigError("data.train_path is empty; set it to a jsonl or parquet file of prompts")
     for key in ("train_path", "eval_path"):
-        value = getattr(cfg.data, key)
-        if value and not Path(value).exists():
+        value = getattr(d, key)
+        if value and is_datasets_source(value):
+            if datasets_missing_error(value):
+                raise ConfigError(f"data.{key}: {datasets_missing_error(value)}")
+        elif value and not Path(value).exists():
             raise ConfigError(f"data.{key}={value} does not exist")
+    try:
+        check_chat_setting(d.chat_template)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if d.system_prompt and d.chat_template == "none":
+        raise ConfigError("data.system_prompt is set but data.chat_template=none; a system prompt is rendered into "
+                          "message prompts with a chat template: set data.chat_template=auto or clear data.system_prompt")
+    validate_chat_template_present(cfg)
+
+
+def validate_chat_template_present(cfg) -> None:
+    """With data.chat_template=auto and message prompts (judged by the first training row), the tokenizer must
+    have a chat template: told now, from the tokenizer files alone, not after the model is loaded."""
+    from streamrft.data.chat import is_messages
+    from streamrft.data.formats import field_mapping, get_field
+    from streamrft.data.rows import is_datasets_source, read_rows
+    from streamrft.models.hub import resolve_model_dir
+
+    d = cfg.data
+    if d.chat_template != "auto" or not cfg.model.path or is_datasets_source(d.train_path):
+        return
+    try:
+        rows = read_rows(d.train_path)
+        _, fields = field_mapping(d.format, rows[0] if rows else None, d.prompt_field, d.reference_field, d.label_field)
+        if not rows or not is_messages(get_field(rows[0], fields["prompt"], None)):
+            return
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model.path, "model.path"))
+    except (ValueError, OSError):  # a bad row or model path: reported with its row by the loaders
+        return
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"data.train_path={d.train_path}: row 0 field {fields['prompt']!r} is a list of messages, "
+                          f"but the tokenizer of model.path={cfg.model.path} has no chat template; set "
+                          "data.chat_template to a Jinja template file, or give text prompts")
 
 
 def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:

@@ -9,6 +9,7 @@ so a line that is not UTF-8 is reported with its row, line and byte offset inste
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from streamrft.data.errors import DataError
@@ -17,11 +18,14 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """Every row of a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file, as dicts.
+    """Every row of a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file, as dicts; or, with the
+    optional ``datasets`` library, of a datasets directory or hub id (``is_datasets_source``).
 
     Row numbers in errors are 0-based and count non-blank lines; line numbers are 1-based; byte
     offsets are 0-based from the start of the file (``head -c OFFSET`` / ``xxd -s OFFSET`` find them).
     """
+    if is_datasets_source(str(path)):
+        return _read_datasets(str(path))
     path = Path(path)
     if not path.exists():
         raise DataError(f"dataset file {path} does not exist")
@@ -32,6 +36,54 @@ def read_rows(path: str | Path) -> list[dict]:
     if path.suffix not in JSONL_SUFFIXES:
         raise DataError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
     return _read_jsonl(path)
+
+
+def is_datasets_source(value: str) -> bool:
+    """A path the ``datasets`` library reads: a ``save_to_disk`` directory, or a hub id (``org/name`` or
+    ``org/name:split``) that is not a local file."""
+    p = Path(value)
+    if p.is_dir():
+        return (p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file() or (p / "state.json").is_file()
+    if p.exists() or p.suffix in (".parquet", *JSONL_SUFFIXES):
+        return False
+    return bool(re.match(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(:[\w.-]+)?$", value))
+
+
+def datasets_missing_error(value: str) -> str | None:
+    """The error text when ``value`` needs the ``datasets`` library and it is not installed, else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("datasets") is not None:
+        return None
+    return (f"dataset {value!r} is a datasets directory or hub id, which needs the `datasets` library "
+            "(not installed): pip install 'streamrft[datasets]', or export the rows to .jsonl / .parquet")
+
+
+def _read_datasets(value: str) -> list[dict]:
+    """Rows of a ``datasets`` save_to_disk directory (split ``train`` of a DatasetDict) or of a hub id
+    (``org/name[:split]``, split ``train`` by default; from the datasets cache, or the hub when a network is there)."""
+    missing = datasets_missing_error(value)
+    if missing:
+        raise DataError(missing)
+    import datasets
+
+    try:
+        if Path(value).is_dir():
+            data = datasets.load_from_disk(value)
+            split = "train"
+        else:
+            name, _, split = value.partition(":")
+            split = split or "train"
+            data = datasets.load_dataset(name, split=split)
+        if isinstance(data, datasets.DatasetDict):
+            if split not in data:
+                raise DataError(f"{value}: no split {split!r} (splits: {sorted(data)})")
+            data = data[split]
+    except DataError:
+        raise
+    except Exception as exc:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ConnectionError)
+        raise DataError(f"{value}: the datasets library cannot load it ({type(exc).__name__}: {exc})") from None
+    return [dict(row) for row in data]
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -35,8 +35,12 @@ def load_eval_config(path: str | Path | None, overrides: list[str] | None = None
 
 def validate_eval_config(cfg: EvalConfig) -> None:
     """Raise ConfigError for settings that cannot run. Only raises."""
-    if not cfg.model_path or not (Path(cfg.model_path) / "config.json").is_file():
-        raise ConfigError(f"model_path={cfg.model_path!r} is not a Hugging Face model directory (no config.json)")
+    from streamrft.models.hub import resolve_model_dir
+
+    try:
+        resolve_model_dir(cfg.model_path, "model_path")  # a directory or a hub id in the local HF cache
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if not cfg.data_path or not Path(cfg.data_path).is_file():
         raise ConfigError(f"data_path={cfg.data_path!r} does not exist; give the benchmark file")
     if cfg.n < 1:
@@ -56,9 +60,11 @@ def validate_eval_config(cfg: EvalConfig) -> None:
 def max_positions(model_path: str) -> int | None:
     """The model's max_position_embeddings from its config.json (a VL model's text_config), read without
     loading the model; None when the config does not say."""
+    from streamrft.models.hub import resolve_model_dir
+
     try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError) as exc:
+        config = json.loads((Path(resolve_model_dir(model_path, "model_path")) / "config.json").read_text())
+    except (OSError, ValueError) as exc:  # ValueError: resolve_model_dir's or json's
         raise ConfigError(f"model_path={model_path!r}: config.json cannot be read: {exc}") from None
     for section in (config, config.get("text_config") or {}):
         value = section.get("max_position_embeddings")

@@ -72,9 +72,9 @@ class ValueModel(torch.nn.Module):
 def load_value_model(path: str) -> ValueModel:
     from transformers import AutoModel
 
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model.critic_path={path!r} is not a Hugging Face model directory (no config.json); "
-                         "set model.critic_path to a directory made by save_pretrained (e.g. model.path)")
+    from streamrft.models.hub import resolve_model_dir
+
+    path = resolve_model_dir(path, "model.critic_path")  # a directory or a cached hub id
     return ValueModel(AutoModel.from_pretrained(path, dtype=torch.float32))
 
 

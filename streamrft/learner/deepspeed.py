@@ -42,6 +42,7 @@ from streamrft.learner.fsdp2 import _DTYPES, _apply_freeze_prefix, load_pretrain
 from streamrft.learner.logprobs import token_logprobs
 from streamrft.learner.lora import apply_lora, lora_scaling, merge_lora_named_tensors
 from streamrft.learner.optim import build_lr_scheduler, build_optimizer
+from streamrft.models.hub import resolve_model_dir
 
 if TYPE_CHECKING:
     from streamrft.config.model import ModelConfig
@@ -118,7 +119,7 @@ class DeepSpeedStrategy:
         self.zero_stage = train_cfg.zero_stage
         config = ds_config(model_cfg, train_cfg)
         model = load_pretrained(model_cfg.path, model_cfg, torch.float32)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_cfg.path, "model.path"))
         apply_lora(model, model_cfg)
         _apply_freeze_prefix(model, model_cfg.freeze_prefix)
         if model_cfg.gradient_checkpointing:

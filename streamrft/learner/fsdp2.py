@@ -32,6 +32,7 @@ from streamrft.learner.base import LossFn
 from streamrft.learner.memory import bucketed, move_module_and_optimizer
 from streamrft.learner.logprobs import token_logprobs
 from streamrft.learner.optim import build_lr_scheduler, build_optimizer
+from streamrft.models.hub import resolve_model_dir
 
 if TYPE_CHECKING:
     from streamrft.config.model import ModelConfig
@@ -53,9 +54,7 @@ def load_pretrained(path: str, model_cfg: ModelConfig, dtype: torch.dtype) -> to
 
     import transformers
 
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model.path={path!r} is not a Hugging Face model directory (no config.json); "
-                         "set model.path to a directory made by save_pretrained")
+    path = resolve_model_dir(path, "model path")  # a directory, or a hub id's snapshot in the local HF cache
     with open(os.path.join(path, "config.json")) as f:
         model_type = json.load(f).get("model_type", "")
     cls = getattr(transformers, _MULTIMODAL_CLASSES.get(model_type, "AutoModelForCausalLM"))
@@ -124,7 +123,7 @@ class FSDP2Strategy:
         if self.compute_dtype != torch.float32 and dist.device.type == "cpu" and model_cfg.dtype == "float16":
             raise ValueError("model.dtype='float16' is not supported on CPU; use 'float32' or 'bfloat16'")
         model = load_pretrained(model_cfg.path, model_cfg, torch.float32)  # fp32 master weights
-        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_cfg.path, "model.path"))
         from streamrft.models.media_inputs import load_processor
         from streamrft.models.multimodal import check_packing
 

@@ -14,7 +14,6 @@ the model's own ``get_rope_index`` over prompt + response (``streamrft.models.vl
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
@@ -57,8 +56,9 @@ def check_packing(model: torch.nn.Module, packing: bool) -> None:
 
 def load_multimodal_policy(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """(model, processor, kind) from a local Hugging Face directory; text models get their tokenizer as processor."""
-    if not (Path(path) / "config.json").is_file():
-        raise ValueError(f"model path {path!r} has no config.json; set model.path to a Hugging Face model directory")
+    from streamrft.models.hub import resolve_model_dir
+
+    path = resolve_model_dir(path, "model.path")  # a directory or a cached hub id
     config = AutoConfig.from_pretrained(path)
     model_type = getattr(config, "model_type", "")
     if model_type == "qwen2_vl":

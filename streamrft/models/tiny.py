@@ -16,6 +16,26 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+# Role markers of the chat template, one special token each (appended after the alphabet, so the ids of
+# <pad>/<eos>/<unk> and of every character stay where they are); a turn ends with <eos>.
+CHAT_ROLES = ("system", "user", "assistant")
+CHAT_TOKENS = tuple(f"<|{role}|>" for role in CHAT_ROLES)
+# A real (small) chat template in the usual shape: "<|role|>content<eos>" per message, then "<|assistant|>"
+# when a reply is to be generated. Content may be text or a list of parts (text parts are kept). An
+# unknown role is an error rather than text the character tokenizer would silently drop.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('role ' + message['role'] + ' is not system, user or assistant') }}"
+    "{%- endif -%}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ eos_token }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
+)
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
@@ -24,7 +44,7 @@ def _byte_level_char(ch: str) -> str:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(ch)[0][0]
 
 
-def build_char_tokenizer(out_dir: str, alphabet: str) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(out_dir: str, alphabet: str, chat: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: ids 0, 1, 2 are ``<pad>``, ``<eos>``, ``<unk>``; then one id per
     character of ``alphabet`` in order. Saved to ``out_dir`` with ``save_pretrained``.
 
@@ -33,6 +53,10 @@ def build_char_tokenizer(out_dir: str, alphabet: str) -> PreTrainedTokenizerFast
     tokenizer of a directory that holds a Qwen2 ``config.json`` as a ``Qwen2Tokenizer`` (byte-level BPE
     from the saved vocab and merges), and with this layout both loaders tokenize identically and text,
     spaces included, round-trips exactly. Characters outside the alphabet are dropped when encoding.
+
+    ``chat=True`` adds the role tokens ``CHAT_TOKENS`` (after the alphabet) and the chat template
+    ``CHAT_TEMPLATE``. It is opt-in because the extra tokens change the vocabulary size, and with it the
+    random initialisation of every model built on the tokenizer (recorded fixtures depend on it).
     """
     chars = list(dict.fromkeys(alphabet))
     if not chars:
@@ -50,6 +74,9 @@ def build_char_tokenizer(out_dir: str, alphabet: str) -> PreTrainedTokenizerFast
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left",
     )
+    if chat:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(CHAT_TOKENS)})
+        tokenizer.chat_template = CHAT_TEMPLATE
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
     return tokenizer
@@ -100,13 +127,28 @@ def load_policy(
     path: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """Load a Hugging Face causal LM and its tokenizer from a local directory."""
+    from streamrft.models.hub import resolve_model_dir
+
+    path = resolve_model_dir(path, "model path")  # a directory (e.g. pipelines/arith/prepare.py's sft/) or a cached hub id
     root = Path(path)
-    if not (root / "config.json").is_file():
-        raise ValueError(f"model path {path!r} has no config.json; set model.path to a Hugging Face model "
-                         "directory (e.g. one written by pipelines/arith/prepare.py)")
     if not any((root / name).is_file() for name in _WEIGHT_FILES):
         raise ValueError(f"model path {path!r} has no weights ({' or '.join(_WEIGHT_FILES)}); set model.path "
                          "to a directory saved with save_pretrained")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device), tokenizer
+
+
+def add_chat_tokens(model_dir: str, out_dir: str, alphabet: str) -> str:
+    """A copy of a tiny model in ``model_dir`` (built on ``build_char_tokenizer(alphabet)``) that speaks the chat
+    template: the chat tokenizer, and the embeddings grown by the role tokens (their rows freshly initialised;
+    every other weight unchanged). Returns ``out_dir``."""
+    tokenizer = build_char_tokenizer(out_dir, alphabet, chat=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if model.get_input_embeddings().num_embeddings != len(tokenizer) - len(CHAT_TOKENS):
+        raise ValueError(f"{model_dir}: the model's vocabulary ({model.get_input_embeddings().num_embeddings}) is not "
+                         f"the character tokenizer's over the alphabet {alphabet!r}; pass the alphabet it was built on")
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

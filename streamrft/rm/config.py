@@ -95,8 +95,12 @@ def validate_rm_config(cfg: RMTrainConfig, check_paths: bool = True) -> None:
         if key not in cfg.grm.template:
             raise ConfigError(f"grm.template={cfg.grm.template!r} lacks {key}")
     if check_paths:
-        if not (Path(cfg.model.path) / "config.json").is_file():
-            raise ConfigError(f"model.path={cfg.model.path} has no config.json; give a Hugging Face model directory")
+        from streamrft.models.hub import resolve_model_dir
+
+        try:
+            resolve_model_dir(cfg.model.path, "model.path")  # a directory or a cached hub id
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
             if value and not Path(value).is_file():
                 raise ConfigError(f"{key}={value} does not exist (relative to {Path.cwd()})")

@@ -25,9 +25,10 @@ from streamrft.rm.model import rm_kind
 
 class ModelReward:
     def __init__(self, model_dir: str, batch_size: int = 64, device: str | None = None) -> None:
-        if not Path(model_dir).is_dir():
-            raise ValueError(f"reward model directory {model_dir!r} does not exist; set model_path to a directory "
-                             "written by `streamrft train-rm`")
+        if not Path(model_dir).is_dir():  # a hub id of a trained RM in the local HF cache, else a clear error
+            from streamrft.models.hub import resolve_model_dir
+
+            model_dir = resolve_model_dir(model_dir, "reward model_path (a directory written by `streamrft train-rm`)")
         self.kind = rm_kind(model_dir)
         self.name = f"model:{model_dir}"
         self.batch_size = batch_size

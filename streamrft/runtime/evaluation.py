@@ -15,18 +15,20 @@ import msgspec
 import torch
 
 from protocols import RewardItem
+from streamrft.data.chat import prompt_ids
 from streamrft.engines.base import GenerationRequest
 
 log = logging.getLogger("streamrft")
 
 
-async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: int, all_reduce_sum, limit: int = 0, correct_threshold: float = 1.0, media=None) -> dict[str, float]:
+async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: int, all_reduce_sum, limit: int = 0, correct_threshold: float = 1.0, media=None, chat_template: str = "auto", system_prompt: str = "") -> dict[str, float]:
     rows = dataset.rows[:limit] if limit else dataset.rows
     mine = rows[rank::world_size]
-    requests, mm, kept, errors = [], {}, [], 0
+    requests, mm, kept, errors, texts = [], {}, [], 0, {}
     for i, r in enumerate(mine):
-        if media is None:
-            ids = tokenizer.encode(r.prompt, add_special_tokens=False)
+        if media is None:  # the Generator's rendering: text as-is, messages through the chat template
+            texts[i], ids = prompt_ids(tokenizer, r.prompt, chat_template, system_prompt,
+                                       f"{dataset.path}: row {r.row} field 'prompt'")
         else:
             from streamrft.data.media import MediaError
 
@@ -45,7 +47,7 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
     items = [
         RewardItem(
             sample_id=f"eval-{rank}-{i}",
-            prompt=r.prompt,
+            prompt=texts.get(i, r.prompt),
             response=tokenizer.decode(outputs[str(i)].response_ids, skip_special_tokens=True),
             reference=r.reference,
             label=r.label,

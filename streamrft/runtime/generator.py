@@ -29,6 +29,7 @@ import torch
 
 from protocols import Completion, Control, PromptGroup
 from streamrft.data import DataError, EpochOrder, PromptDataset
+from streamrft.data.chat import prompt_ids
 from streamrft.engines.base import GenerationRequest
 from streamrft.engines.sampling import sample_seed
 from streamrft.runtime.gate import AdmissionGate
@@ -114,12 +115,15 @@ class Generator(Stage):
         order = self.order if refill is None else self.refill_order
         row = self.dataset[order.row_at(position)]
         refs, inputs = [], None
+        d, loc = self.cfg.data, f"{self.dataset.path}: row {row.row} field {self.cfg.data.prompt_field!r}"
         if self.media is not None:  # raises MediaError (file, row, field) for missing / corrupt media
+            if not isinstance(row.prompt, str):
+                raise DataError(f"{loc}: message-list prompts with media fields are not supported; give the prompt as text")
             refs = self.media.refs(row, self.dataset.path)
             inputs = self.media.inputs(row.prompt, refs, f"{self.dataset.path} row {row.row}")
-            ids = inputs["input_ids"][0].tolist()
-        else:
-            ids = self.tokenizer.encode(row.prompt, add_special_tokens=False)
+            ids, prompt_text = inputs["input_ids"][0].tolist(), row.prompt
+        else:  # text as-is, or messages through the chat template (streamrft.data.chat, shared with evaluation)
+            prompt_text, ids = prompt_ids(self.tokenizer, row.prompt, d.chat_template, d.system_prompt, loc)
         if len(ids) > self.cfg.data.max_prompt_tokens:
             raise DataError(
                 f"{self.dataset.path}: row {row.row} field {self.cfg.data.prompt_field!r} has {len(ids)} tokens, "
@@ -132,7 +136,7 @@ class Generator(Stage):
             group_id=f"s{step}-p{position}{suffix}",
             step=step,
             prompt_index=prompt_index,
-            prompt_text=row.prompt,
+            prompt_text=prompt_text,
             reference=row.reference,
             label=row.label,
             n_samples=self.cfg.rollout.n_samples_per_prompt,

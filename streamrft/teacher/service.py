@@ -17,7 +17,6 @@ Start-up errors (no model at --model, an address that cannot be bound) are one l
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 
@@ -88,9 +87,10 @@ def serve_teacher(model_dir: str, bind: str = "tcp://127.0.0.1:0", device: str =
         raise ValueError(f"--max-message-bytes={max_message_bytes} and --max-tokens={max_tokens} must be >= 1")
     if not bind.startswith(("tcp://", "ipc://", "inproc://")):
         raise ValueError(f"--bind {bind!r} must be a ZeroMQ address such as tcp://127.0.0.1:5556")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):  # told before torch is even imported
-        raise ValueError(f"--model {model_dir!r} has no config.json; pass a Hugging Face model directory "
-                         "(e.g. the sft/ folder written by pipelines/arith/prepare.py)")
+    from streamrft.models.hub import resolve_model_dir
+
+    # told before torch is even imported: a directory (e.g. pipelines/arith/prepare.py's sft/) or a cached hub id
+    model_dir = resolve_model_dir(model_dir, "--model")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
