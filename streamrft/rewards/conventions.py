@@ -131,7 +131,7 @@ def resolve_convention(fn: Callable[..., Any], convention: str, where: str) -> s
         convention = found[0] if found else "streamrft"
     elif convention == "streamrft" and found:
         raise ConventionError(
-            f"{where}: the signature {_signature(fn)} is a {found[0]} reward function, not StreamRFT's "
+            f"{where}: the signature {_signature(fn)} is a reward function in the {found[0]} convention, not StreamRFT's "
             f"fn(response, reference, ...); set reward.sources[].convention: {found[0]}"
             + (f" (or {', '.join(found[1:])})" if len(found) > 1 else "")
         )
