@@ -10,12 +10,14 @@ from streamrft.config.base import ConfigError, Section
 
 
 class EvalConfig(Section):
-    model_path: str = ""  # policy: a Hugging Face causal LM directory
-    data_path: str = ""  # benchmark rows (jsonl/parquet) with prompt_key and reference_key fields
+    model_path: str = ""  # policy: a Hugging Face causal LM directory or a hub id in the local HF cache
+    data_path: str = ""  # benchmark rows (jsonl/parquet) with prompt_key and reference_key fields (dotted paths allowed)
     format: Literal["arith", "gsm8k", "math", "choice"] = "gsm8k"  # answer extraction (streamrft.evaluate.answers)
     prompt_key: str = "prompt"  # row field holding the prompt text
     reference_key: str = "reference"  # row field holding the reference answer
-    prompt_template: str = "{prompt}"  # text given to the model; {prompt} is the row's prompt
+    prompt_template: str = "{prompt}"  # text given to the model; {prompt} is the row's prompt (text prompts only)
+    chat_template: str = "auto"  # message-list prompts: auto = the tokenizer's template | none = refuse | PATH = Jinja file
+    system_prompt: str = ""  # prepended to message-list prompts as a system message
     n: int = 4  # samples per problem
     k: int = 4  # the k of pass@k and maj@k (1 <= k <= n)
     temperature: float = 1.0  # sampling temperature (> 0)
@@ -41,7 +43,9 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         resolve_model_dir(cfg.model_path, "model_path")  # a directory or a hub id in the local HF cache
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if not cfg.data_path or not Path(cfg.data_path).is_file():
+    from streamrft.data.rows import is_datasets_source
+
+    if not cfg.data_path or not (Path(cfg.data_path).is_file() or is_datasets_source(cfg.data_path)):
         raise ConfigError(f"data_path={cfg.data_path!r} does not exist; give the benchmark file")
     if cfg.n < 1:
         raise ConfigError(f"n={cfg.n} must be >= 1 (samples per problem)")
@@ -49,6 +53,14 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         raise ConfigError(f"k={cfg.k} must be in [1, n={cfg.n}]; raise n or lower k")
     if cfg.temperature <= 0:
         raise ConfigError(f"temperature={cfg.temperature} must be > 0 (use n=1 with a low temperature for near-greedy)")
+    from streamrft.data.chat import check_chat_setting
+
+    try:
+        check_chat_setting(cfg.chat_template)
+    except ValueError as exc:
+        raise ConfigError(str(exc).replace("data.chat_template", "chat_template")) from None
+    if cfg.system_prompt and cfg.chat_template == "none":
+        raise ConfigError("system_prompt is set but chat_template=none; set chat_template=auto or clear system_prompt")
     if "{prompt}" not in cfg.prompt_template:
         raise ConfigError(f"prompt_template={cfg.prompt_template!r} must contain {{prompt}}")
     if cfg.limit < 0:

@@ -13,20 +13,30 @@ import time
 from pathlib import Path
 
 from streamrft.data import DataError, read_rows
+from streamrft.data.chat import check_messages, is_messages, prompt_ids
+from streamrft.data.formats import get_field
 from streamrft.evaluate.answers import FORMATS
 from streamrft.evaluate.config import EvalConfig, check_prompt_lengths
 from streamrft.evaluate.metrics import majority_answer, pass_at_k
 
 
-def load_problems(cfg: EvalConfig) -> list[tuple[str, str]]:
-    """(prompt, reference) of every row; DataError naming file, row and field when one is missing."""
+def load_problems(cfg: EvalConfig) -> list[tuple[str | list, str]]:
+    """(prompt, reference) of every row (a prompt is text or chat messages; keys may be dotted paths such as
+    reward_model.ground_truth); DataError naming file, row and field when one is missing."""
     problems = []
     for i, row in enumerate(read_rows(cfg.data_path)):
         for key, name in ((cfg.prompt_key, "prompt_key"), (cfg.reference_key, "reference_key")):
-            if not isinstance(row.get(key), (str, int, float)) or isinstance(row.get(key), bool):
+            value = get_field(row, key, None)
+            if key == cfg.prompt_key and is_messages(value):
+                check_messages(value, f"{cfg.data_path}: row {i} field {key!r}")
+            elif not isinstance(value, (str, int, float)) or isinstance(value, bool):
                 raise DataError(f"{cfg.data_path}: row {i}: missing field {key!r} (set {name} to the field "
                                 f"that holds it; row keys: {sorted(row)})")
-        problems.append((str(row[cfg.prompt_key]), str(row[cfg.reference_key])))
+        prompt = get_field(row, cfg.prompt_key)
+        if cfg.system_prompt and not is_messages(prompt):
+            raise DataError(f"{cfg.data_path}: row {i} field {cfg.prompt_key!r} is text but system_prompt is set; a "
+                            "system prompt applies to message-list prompts: clear system_prompt or give messages")
+        problems.append((prompt if is_messages(prompt) else str(prompt), str(get_field(row, cfg.reference_key))))
         if cfg.limit and len(problems) == cfg.limit:
             break
     if not problems:
@@ -56,16 +66,22 @@ def evaluate(cfg: EvalConfig) -> dict:
 
     problems = load_problems(cfg)
     # Tokenize first, with the tokenizer alone: a prompt that cannot fit is an error before the model loads.
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-    prompt_ids = [tokenizer(cfg.prompt_template.format(prompt=prompt))["input_ids"] for prompt, _ in problems]
-    check_prompt_lengths(cfg, [len(ids) for ids in prompt_ids])
+    from streamrft.models.hub import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model_path, "model_path"))
+    # text prompts: prompt_template, tokenized as before; message lists: the training run's chat rendering
+    all_ids = [tokenizer(cfg.prompt_template.format(prompt=prompt))["input_ids"] if not is_messages(prompt) else
+               prompt_ids(tokenizer, prompt, cfg.chat_template, cfg.system_prompt,
+                          f"{cfg.data_path}: row {i} field {cfg.prompt_key!r}")[1]
+               for i, (prompt, _) in enumerate(problems)]
+    check_prompt_lengths(cfg, [len(ids) for ids in all_ids])
     model, tokenizer = load_policy(cfg.model_path)
     model.eval()
     engine_cfg = EngineConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                               max_batch_size=cfg.max_batch_size)
     engine = HFEngine(model, engine_cfg, [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu")
     requests = []
-    for i, ids in enumerate(prompt_ids):
+    for i, ids in enumerate(all_ids):
         requests += [GenerationRequest(f"{i}:{j}", ids, seed=cfg.seed * 1_000_003 + i * cfg.n + j) for j in range(cfg.n)]
     start = time.perf_counter()
     samples = {s.request_id: s for s in asyncio.run(engine.generate_all(requests))}

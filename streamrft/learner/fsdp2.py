@@ -54,7 +54,7 @@ def load_pretrained(path: str, model_cfg: ModelConfig, dtype: torch.dtype) -> to
 
     import transformers
 
-    path = resolve_model_dir(path, "model path")  # a directory, or a hub id's snapshot in the local HF cache
+    path = resolve_model_dir(path, "model.path")  # a directory, or a hub id's snapshot in the local HF cache
     with open(os.path.join(path, "config.json")) as f:
         model_type = json.load(f).get("model_type", "")
     cls = getattr(transformers, _MULTIMODAL_CLASSES.get(model_type, "AutoModelForCausalLM"))

@@ -43,12 +43,14 @@ def resolve_model_dir(value: str, key: str) -> str:
     local = Path(value).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise ValueError(f"{key}={value}: no config.json there; point {key} at a Hugging Face model directory "
-                             "(one written by save_pretrained) or a hub id in the local Hugging Face cache")
+            raise ValueError(f"{key}={value}: no config.json there (a directory that has no config.json is not a "
+                             f"Hugging Face model); point {key} at a directory written by save_pretrained or a hub id "
+                             "in the local Hugging Face cache")
         return str(local)
     if not looks_like_hub_id(value):  # a path (absolute, ./, ../, two or more slashes) that is not there
-        raise ValueError(f"{key}={value}: no config.json there: the directory does not exist, and it is not a hub "
-                         f"id (org/name); point {key} at a Hugging Face model directory or a cached hub id")
+        raise ValueError(f"{key}={value}: no config.json there (the directory does not exist, so it has no "
+                         f"config.json, and it is not a hub id org/name); point {key} at a Hugging Face model "
+                         "directory or a hub id in the local Hugging Face cache")
     cache = hub_cache_dir()
     snapshot = _cached_snapshot(value, cache)
     if snapshot is None:

@@ -129,7 +129,7 @@ def load_policy(
     """Load a Hugging Face causal LM and its tokenizer from a local directory."""
     from streamrft.models.hub import resolve_model_dir
 
-    path = resolve_model_dir(path, "model path")  # a directory (e.g. pipelines/arith/prepare.py's sft/) or a cached hub id
+    path = resolve_model_dir(path, "model")  # a directory (e.g. pipelines/arith/prepare.py's sft/) or a cached hub id
     root = Path(path)
     if not any((root / name).is_file() for name in _WEIGHT_FILES):
         raise ValueError(f"model path {path!r} has no weights ({' or '.join(_WEIGHT_FILES)}); set model.path "
