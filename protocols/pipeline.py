@@ -6,6 +6,8 @@ fields named ``*_len`` give their lengths so a header alone is enough for accoun
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from protocols.base import Message, TensorSpec
@@ -39,6 +41,7 @@ class PromptGroup(Message, kw_only=True):
     data_row: int = -1  # row of the dataset file this prompt came from
     tensors: list[TensorSpec] = []
     media: list[MediaRef] = []  # the row's images / video frames / audio clips, in placeholder order; [] = text
+    columns: dict[str, Any] = {}  # the row's other JSON-like fields, for reward functions (RewardItem.columns)
 
 
 class Completion(Message, kw_only=True):
@@ -66,6 +69,7 @@ class Completion(Message, kw_only=True):
     generate_seconds: float = 0.0
     tensors: list[TensorSpec] = []
     media: list[MediaRef] = []  # as PromptGroup.media: the learner re-decodes the prompt's media from these
+    columns: dict[str, Any] = {}  # as PromptGroup.columns
 
 
 class ScoredSample(Message, kw_only=True):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from protocols.base import Message
 
 
@@ -14,6 +16,9 @@ class RewardItem(Message, kw_only=True):
     reference: str = ""
     label: str = "default"
     images: list[str] = []  # base64-encoded image bytes, each encoded once
+    # the data row's other JSON-like fields (TRL's extra columns, verl's extra_info); see
+    # streamrft.rewards.conventions.reward_columns
+    columns: dict[str, Any] = {}
 
 
 class RewardRequest(Message, kw_only=True):

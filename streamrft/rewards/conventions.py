@@ -16,19 +16,23 @@ verl       ``compute_score(data_source=, solution_str=,            float, or a d
 openrlhf   ``reward_func(queries, prompts, labels)`` batched       tensor / list, or a dict with ``rewards``
 =========  =====================================================  ==========================================
 
-How StreamRFT's fields map onto theirs (a RewardItem carries prompt, response, reference, label):
+How StreamRFT's fields map onto theirs (a RewardItem carries prompt, response, reference, label and
+``columns``: the data row's other JSON-like fields, see :func:`reward_columns`):
 
-* trl: ``prompts`` the prompt texts, ``completions`` the responses; the row's columns are ``reference``,
-  also under the names TRL's documentation and its own reward functions read a gold answer by
-  (``ground_truth``, ``solution``), and ``label``; ``completion_ids`` and ``trainer_state`` are not
-  available (a function that requires one is refused when the source is built). Keywords are passed
-  only when the signature takes them (by name or ``**kwargs``). ``None`` for a completion means "this
+* trl: ``prompts`` the prompt texts, ``completions`` the responses; the row's columns are the item's
+  ``columns`` (one list per column name, None where a row lacks it), plus ``reference`` and ``label``,
+  and the reference again under the names TRL's documentation and its own reward functions read a gold
+  answer by (``ground_truth``, ``solution``) unless the rows have a column of that name.
+  ``completion_ids`` and ``trainer_state`` are not available (a function that requires one is refused
+  when the source is built); a required parameter that is no column of the rows fails the batch with an
+  error naming it and the columns there are. Keywords are passed only when the signature takes them (by
+  name or ``**kwargs``). ``None`` for a completion means "this
   function does not apply to it" (TRL's meaning): the item counts as not scored by this source, exactly
   as if the source's ``labels`` excluded it; its component is absent and its weight not added. An item
   no source scores fails ("no reward source scores ...").
 * verl: ``data_source`` is the item's label (the key verl's default scorer dispatches on),
-  ``solution_str`` the response, ``ground_truth`` the reference, ``extra_info`` ``{"prompt", "label",
-  "sample_id"}``. verl's batch reward manager signature (``data_sources, solution_strs, ground_truths,
+  ``solution_str`` the response, ``ground_truth`` the reference, ``extra_info`` the row's ``extra_info``
+  column as it is (``{}`` when the row has none), as verl's reward manager passes it. verl's batch reward manager signature (``data_sources, solution_strs, ground_truths,
   extra_infos``, returning a list) is recognised by those plural names and called once per batch.
 * openrlhf: ``queries`` are prompt + response (OpenRLHF's queries hold both), ``prompts`` the prompts,
   ``labels`` the references (OpenRLHF's labels are gold answers, not task labels); a dict reply's
@@ -78,6 +82,25 @@ class ScoredWithExtras(float):
         obj = super().__new__(cls, value)
         obj.extras = extras
         return obj
+
+
+def _json_like(value: Any, depth: int = 0) -> bool:
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return True
+    if depth > 16:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_json_like(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_like(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def reward_columns(extra: dict[str, Any]) -> dict[str, Any]:
+    """The data row's other fields a reward function may read (TRL's extra columns, verl's ``extra_info``):
+    the JSON-like ones (text, numbers, bools, null, lists and mappings of these). Media bytes and other
+    objects stay behind: they would travel with every sample to every reward source."""
+    return {k: v for k, v in extra.items() if isinstance(k, str) and _json_like(v)}
 
 
 class ConventionError(ValueError):
@@ -203,19 +226,40 @@ class TRLAdapter(_Adapter):
     name = "trl"
     required = ("completions",)
     provided = ("prompts", "completions", "reference", "ground_truth", "solution", "label")
+    unavailable = ("completion_ids", "trainer_state")  # TRL passes these; StreamRFT has no equivalent here
+
+    def check_signature(self, fn: Callable[..., Any], where: str) -> None:
+        params = _params(fn)
+        if params is None:
+            return
+        if "completions" not in _names(params) and not _has_var_kw(params):
+            raise ConventionError(f"{where}: a trl reward function takes completions; {_signature(fn)} has no "
+                                  "parameter 'completions'")
+        for p in params:  # other required names may be dataset columns: checked per batch
+            if p.default is inspect.Parameter.empty and p.name in self.unavailable:
+                raise ConventionError(
+                    f"{where}: {_signature(fn)} requires {p.name!r}, which the trl convention does not pass here; "
+                    f"it passes {', '.join(self.provided)} and the rows' columns"
+                )
 
     def call(self, fn: Callable[..., Any], items: Sequence[RewardItem]) -> tuple[tuple, dict]:
         refs = [it.reference for it in items]
-        columns = {
-            "prompts": [it.prompt for it in items],
-            "completions": [it.response for it in items],
-            "reference": refs,
-            "ground_truth": refs,
-            "solution": refs,
-            "label": [it.label for it in items],
-        }
-        keep = self.accepted(fn)
-        return (), {k: v for k, v in columns.items() if k in keep}
+        names = sorted({k for it in items for k in it.columns})
+        kwargs: dict[str, list] = {"ground_truth": refs, "solution": refs}  # aliases, unless a column has the name
+        kwargs.update({k: [it.columns.get(k) for it in items] for k in names})
+        kwargs.update({"prompts": [it.prompt for it in items], "completions": [it.response for it in items],
+                       "reference": refs, "label": [it.label for it in items]})
+        params = _params(fn)
+        if params is None or _has_var_kw(params):
+            return (), kwargs
+        declared = _names(params)
+        for p in params:
+            if p.default is inspect.Parameter.empty and p.name in declared and p.name not in kwargs:
+                raise ConventionError(
+                    f"{_signature(fn)} requires {p.name!r}, which is no column of these rows (their columns: "
+                    f"{', '.join(names) or 'none'}; also passed: {', '.join(self.provided)})"
+                )
+        return (), {k: v for k, v in kwargs.items() if k in declared}
 
     def read(self, result: Any, n: int, what: str) -> list[Any]:
         values = _as_list(result, f"{what} returned {type(result).__name__}, which")
@@ -251,8 +295,9 @@ class VerlAdapter(_Adapter):
         super().check_signature(fn, where)
 
     @staticmethod
-    def _extra(item: RewardItem) -> dict[str, str]:
-        return {"prompt": item.prompt, "label": item.label, "sample_id": item.sample_id}
+    def _extra(item: RewardItem) -> dict:
+        extra = item.columns.get("extra_info")
+        return dict(extra) if isinstance(extra, dict) else {}
 
     def call(self, fn: Callable[..., Any], items: Sequence[RewardItem]) -> tuple[tuple, dict]:
         if self.batched:

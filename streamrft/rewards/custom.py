@@ -192,7 +192,10 @@ class RewardFunction:
         reads the return value; a batched call that raises or returns a wrong shape fails its batch."""
         adapter = self.adapter
         if adapter.batched:
-            args, kwargs = adapter.call(self.fn, items)
+            try:
+                args, kwargs = adapter.call(self.fn, items)
+            except ConventionError as exc:  # a required argument these rows cannot give
+                return [ConventionError(f"{self._where}: {exc}")] * len(items)
             try:
                 result = await self._call(*args, **kwargs)
                 return adapter.read(result, len(items), self._where)

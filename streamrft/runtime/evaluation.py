@@ -17,6 +17,7 @@ import torch
 from protocols import RewardItem
 from streamrft.data.chat import prompt_ids
 from streamrft.engines.base import GenerationRequest
+from streamrft.rewards.conventions import reward_columns
 
 log = logging.getLogger("streamrft")
 
@@ -51,6 +52,7 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
             response=tokenizer.decode(outputs[str(i)].response_ids, skip_special_tokens=True),
             reference=r.reference,
             label=r.label,
+            columns=reward_columns(r.extra),
         )
         for i, r in kept
     ]

@@ -32,6 +32,7 @@ from streamrft.data import DataError, EpochOrder, PromptDataset
 from streamrft.data.chat import prompt_ids
 from streamrft.engines.base import GenerationRequest
 from streamrft.engines.sampling import sample_seed
+from streamrft.rewards.conventions import reward_columns
 from streamrft.runtime.gate import AdmissionGate
 from streamrft.runtime.stage import Stage, StageContext, StageError
 
@@ -143,6 +144,7 @@ class Generator(Stage):
             prompt_len=len(ids),
             data_row=row.row,
             media=refs,
+            columns=reward_columns(row.extra),  # TRL's extra columns / verl's extra_info, for reward functions
         )
         if inputs is not None:
             self.mm_inputs[group.group_id] = inputs
@@ -338,6 +340,7 @@ class Generator(Stage):
                 response_len=len(out.response_ids),
                 generate_seconds=out.seconds,
                 media=group.media,
+                columns=group.columns,
             )
             async with self._send_lock:
                 await self.outbox.send(

@@ -114,6 +114,7 @@ class RewardScorerStage(_ConcurrentStage):
             reference=completion.reference,
             label=completion.label,
             images=_images_of(completion),
+            columns=completion.columns,
         )
         (outcome,) = await self.scorer.score([item], step=completion.step)  # tallied for the failure policy
         error = outcome.error

@@ -205,7 +205,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         raise NotImplementedError(data_source)
     digits = solution_str.strip().split()[0] if solution_str.strip() else ""
     correct = digits == ground_truth.strip()
-    return {"score": 1.0 if correct else 0.0, "acc": correct}
+    return {"score": 1.0 if correct else 0.0, "acc": correct, "row": extra_info["index"]}
 '''
 
 
@@ -213,9 +213,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def test_streamrft_train_runs_two_steps_with_a_verl_compute_score(arith_dir, tmp_path):
     fn_file = tmp_path / "verl_reward.py"
     fn_file.write_text(VERL_FN)
+    rows = [json.loads(line) for line in (arith_dir / "train.jsonl").open()]
+    train_path = tmp_path / "train.jsonl"  # the arith rows with verl's extra_info column added
+    train_path.write_text("".join(json.dumps({**row, "extra_info": {"index": i}}) + "\n" for i, row in enumerate(rows)))
     out = tmp_path / "run"
     overrides = arith_overrides(
         arith_dir, out, "train.max_steps=2", "data.eval_path=", f"sinks.jsonl={out / 'traj'}",
+        f"data.train_path={train_path}",
         f"reward.sources=[{{name: verl, type: custom, fn: '{fn_file}:compute_score', convention: verl}}]",
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -225,7 +229,10 @@ def test_streamrft_train_runs_two_steps_with_a_verl_compute_score(arith_dir, tmp
     assert proc.returncode == 0, text[-3000:]
     summary = json.loads(text.split("summary: ", 1)[1].splitlines()[0])
     assert summary["samples_admitted"] == summary["samples_trained"] == 2 * 32
-    references = {row["prompt"]: row["reference"] for row in map(json.loads, (arith_dir / "train.jsonl").open())}
+    references = {row["prompt"]: row["reference"] for row in rows}
+    indices: dict[str, set[float]] = {}
+    for i, row in enumerate(rows):
+        indices.setdefault(row["prompt"], set()).add(float(i))
     records = [json.loads(line) for path in sorted((out / "traj").rglob("*.jsonl")) for line in path.open()]
     assert len(records) == 2 * 32
     for rec in records:
@@ -233,3 +240,4 @@ def test_streamrft_train_runs_two_steps_with_a_verl_compute_score(arith_dir, tmp
         expected = 1.0 if first == references[rec["prompt"]] else 0.0
         assert rec["reward"] == rec["reward_components"]["verl"] == expected
         assert rec["reward_components"]["verl/acc"] == expected  # verl's other dict key, kept as a component
+        assert rec["reward_components"]["verl/row"] in indices[rec["prompt"]]  # extra_info came from the row

@@ -13,7 +13,7 @@ import torch
 from protocols import RewardItem
 from streamrft.config.base import ConfigError
 from streamrft.config.reward import RewardConfig, RewardSourceConfig
-from streamrft.rewards.conventions import NOT_APPLICABLE, resolve_convention
+from streamrft.rewards.conventions import NOT_APPLICABLE, resolve_convention, reward_columns
 from streamrft.rewards.custom import RewardFunction
 from streamrft.rewards.rules import RULES
 from streamrft.rewards.scorer import build_reward_scorer
@@ -47,7 +47,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         raise NotImplementedError(f"no scorer for data_source {data_source!r}")
     pred = _final_integer(solution_str)
     correct = pred == ground_truth.replace(",", "")
-    return {"score": float(correct), "acc": correct, "pred": pred or "", "prompt_chars": len(extra_info["prompt"])}
+    return {"score": float(correct), "acc": correct, "pred": pred or "", "index": extra_info.get("index", -1)}
 
 
 def reward_func(queries, prompts, labels):
@@ -82,7 +82,9 @@ EXPECTED = [1.0, 0.0, 1.0, 1.0, 0.0]
 
 
 def items() -> list[RewardItem]:
-    return [RewardItem(sample_id=f"s{i}", prompt=p, response=r, reference=ref, label=label)
+    # columns: the row's other fields (verl's extra_info is one), as the Generator passes them
+    return [RewardItem(sample_id=f"s{i}", prompt=p, response=r, reference=ref, label=label,
+                       columns={"extra_info": {"index": i, "split": "train"}})
             for i, (label, p, r, ref) in enumerate(SAMPLES)]
 
 
@@ -119,7 +121,7 @@ def test_each_foreign_function_scores_arith_and_gsm8k_samples_correctly(fn, conv
 def test_verl_dict_keys_besides_score_become_components_and_only_score_is_summed():
     outcomes = score(source("compute_score", "verl", weight=2.0))
     assert [o.reward for o in outcomes] == [2.0 * v for v in EXPECTED]
-    assert outcomes[2].components == {"acc": 1.0, "acc/acc": 1.0, "acc/prompt_chars": float(len(SAMPLES[2][1]))}
+    assert outcomes[2].components == {"acc": 1.0, "acc/acc": 1.0, "acc/index": 2.0}  # index: the row's extra_info
     assert "acc/pred" not in outcomes[0].components  # a string is not a component
 
 
@@ -143,16 +145,42 @@ def test_the_adapter_passes_trl_columns_by_keyword_and_none_becomes_not_applicab
     seen = {}
 
     def fn(prompts, completions, solution, **kwargs):
-        seen.update(prompts=prompts, completions=completions, solution=solution, kwargs=sorted(kwargs))
+        seen.update(prompts=prompts, completions=completions, solution=solution, kwargs=kwargs)
         return [None, 0.5]
 
     rf = RewardFunction(fn, "fn", convention="trl", source="s")
     batch = items()[:2]
+    batch[1].columns["level"] = 3  # a column only the second row has: None for the first, as a datasets column
     values = asyncio.run(rf.score(batch))
     rf.close()
     assert values == [NOT_APPLICABLE, 0.5]
     assert seen == {"prompts": ["23+45=", "23+45="], "completions": ["68", "67"], "solution": ["68", "68"],
-                    "kwargs": ["ground_truth", "label", "reference"]}
+                    "kwargs": {"ground_truth": ["68", "68"], "reference": ["68", "68"], "label": ["arith", "arith"],
+                               "extra_info": [{"index": 0, "split": "train"}, {"index": 1, "split": "train"}],
+                               "level": [None, 3]}}
+
+
+def test_a_dataset_column_named_solution_is_passed_as_it_is_not_replaced_by_the_reference():
+    def fn(completions, solution):
+        return [float(c == s) for c, s in zip(completions, solution)]
+
+    rf = RewardFunction(fn, "fn", convention="trl", source="s")
+    batch = [RewardItem(sample_id="a", prompt="p", response="x", reference="y", columns={"solution": "x"})]
+    assert asyncio.run(rf.score(batch)) == [1.0]
+    rf.close()
+
+
+def test_a_required_trl_parameter_that_is_no_column_fails_the_batch_naming_it():
+    def fn(completions, answer):
+        return [1.0] * len(completions)
+
+    rf = RewardFunction(fn, "my.py:fn", convention="trl", source="s")
+    values = asyncio.run(rf.score(items()[:2]))
+    rf.close()
+    assert [str(v) for v in values] == [
+        "reward source 's' (trl convention, my.py:fn): fn(completions, answer) requires 'answer', which is no "
+        "column of these rows (their columns: extra_info; also passed: prompts, completions, reference, "
+        "ground_truth, solution, label)"] * 2
 
 
 @pytest.mark.parametrize("fn,convention,message", [
@@ -220,7 +248,7 @@ def test_a_plain_function_under_auto_is_streamrft():
 @pytest.mark.parametrize("convention,fn,message", [
     ("trl", lambda completions, completion_ids: [], "<lambda>(completions, completion_ids) requires 'completion_ids', "
      "which the trl convention does not pass here; it passes prompts, completions, reference, ground_truth, "
-     "solution, label"),
+     "solution, label and the rows' columns"),
     ("trl", lambda prompts: [], "a trl reward function takes completions; <lambda>(prompts) has no parameter "
      "'completions'"),
     ("verl", lambda solution_str, answer: 0.0, "<lambda>(solution_str, answer) requires 'answer', which the verl "
@@ -256,3 +284,8 @@ def test_convention_applies_only_to_custom_sources_and_protocol_only_to_remote()
     with pytest.raises(ConfigError, match=r"protocol='openrlhf' is an HTTP JSON body, but address="
                                           r"'tcp://127.0.0.1:5555' is not http"):
         validate_all(cfg, world_size=1, check_paths=False)
+
+
+def test_reward_columns_keep_json_like_fields_and_leave_media_bytes_behind():
+    extra = {"extra_info": {"index": 3, "tags": ["a", None]}, "level": 2.5, "image": b"\x89PNG", "mixed": [1, b"x"]}
+    assert reward_columns(extra) == {"extra_info": {"index": 3, "tags": ["a", None]}, "level": 2.5}
