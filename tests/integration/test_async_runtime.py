@@ -88,28 +88,39 @@ def test_replay_of_a_recorded_run_is_bitwise(warm_arith, tmp_path):
     assert [r["loss"] for r in replayed] == [r["loss"] for r in steps(out)]
 
 
-def test_kill_9_then_resume_keeps_accounting_and_trains_no_sample_twice(warm_arith, tmp_path):
-    """Staleness 1 (the next step's groups are in flight at every checkpoint): SIGKILL after step 5,
-    resume from the step-4 checkpoint. The in-flight samples were left out of the checkpoint and are
-    generated again, so the finished run trained every planned sample exactly once."""
+@pytest.mark.parametrize("placement", ["colocated", "async"])
+def test_kill_9_then_resume_keeps_accounting_and_trains_no_sample_twice(warm_arith, tmp_path, placement):
+    """Staleness 1 (the next step's groups are in flight at every checkpoint): SIGKILL of the learner
+    after step 5 (async: its engine process dies with it), resume from the step-4 checkpoint. The
+    in-flight samples were left out of the checkpoint and are generated again, so the finished run
+    trained every planned sample exactly once."""
     import signal
     import time
 
     out = tmp_path / "run"
     extra = ["rollout.max_staleness=1", "checkpoint.save_every=2", "train.max_steps=8", f"sinks.jsonl={out / 'traj'}",
-             "data.eval_path="]
+             "data.eval_path=", f"rollout.placement={placement}"]
     cmd = [sys.executable, "-m", "streamrft.cli", "train", CONFIG, f"model.path={warm_arith / 'sft'}",
            f"data.train_path={warm_arith / 'train.jsonl'}", f"output_dir={out}", "metrics.progress=false",
            *FIXTURE["overrides"], *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline = time.monotonic() + 300
+    seen = []
     for line in proc.stdout:
+        seen.append(line)
         if line.startswith("step 5/"):
             break
         assert time.monotonic() < deadline
+    assert seen and seen[-1].startswith("step 5/"), "".join(seen)[-3000:]
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
+    if placement == "async":  # the engine process dies with its parent (PR_SET_PDEATHSIG)
+        pid = int((out / "engines" / "engine0.pid").read_text())
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     first = records(out)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           timeout=600)
