@@ -79,8 +79,9 @@ def build_run(cfg: Config, dist) -> Run:
     torch.manual_seed(cfg.seed)
     set_deterministic(cfg.train.deterministic)
     d = cfg.data
-    dataset = PromptDataset.from_config(d.train_path, d)
-    eval_dataset = PromptDataset.from_config(d.eval_path, d) if d.eval_path else None
+    written = getattr(cfg, "_written", None)  # data.*_field keys the user wrote win over data.format's preset
+    dataset = PromptDataset.from_config(d.train_path, d, written_keys=written)
+    eval_dataset = PromptDataset.from_config(d.eval_path, d, written_keys=written) if d.eval_path else None
     strategy, reference, critic, actor = build_learner(cfg, dist)
     tokenizer = strategy.tokenizer
     if cfg.rollout.placement == "async":  # engine processes hold their own copies; the learner only evaluates

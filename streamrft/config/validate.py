@@ -159,7 +159,7 @@ def validate_chat_template_present(cfg) -> None:
     """With data.chat_template=auto and message prompts (judged by the first training row), the tokenizer must
     have a chat template: told now, from the tokenizer files alone, not after the model is loaded."""
     from streamrft.data.chat import is_messages
-    from streamrft.data.formats import field_mapping, get_field
+    from streamrft.data.formats import field_mapping, get_field, written_roles
     from streamrft.data.rows import is_datasets_source, read_rows
     from streamrft.models.hub import resolve_model_dir
 
@@ -168,7 +168,8 @@ def validate_chat_template_present(cfg) -> None:
         return
     try:
         rows = read_rows(d.train_path)
-        _, fields = field_mapping(d.format, rows[0] if rows else None, d.prompt_field, d.reference_field, d.label_field)
+        _, fields = field_mapping(d.format, rows[0] if rows else None, d.prompt_field, d.reference_field, d.label_field,
+                                  written_roles(getattr(cfg, "_written", None)))
         if not rows or not is_messages(get_field(rows[0], fields["prompt"], None)):
             return
         from transformers import AutoTokenizer

@@ -1,7 +1,7 @@
 """Dataset layouts (``data.format``) and dotted field paths: which row field is the prompt, the reference
 answer and the task label. Pure functions over rows; reading files is streamrft.data.rows.
 
-Presets (a ``data.*_field`` set to something other than its default always wins over the preset):
+Presets (a ``data.*_field`` the user sets always wins over the preset):
 
 ============  ==============================  ======================================  ===============
 format        prompt                          reference                               label
@@ -61,14 +61,21 @@ def detect_format(row: dict, reference_field: str = "reference") -> str:
     return "flat"
 
 
+def written_roles(written_keys) -> frozenset[str]:
+    """The roles whose ``data.<role>_field`` key is among the config keys the user wrote (``Config._written``)."""
+    return frozenset(role for role in DEFAULT_FIELDS if f"data.{role}_field" in (written_keys or ()))
+
+
 def field_mapping(fmt: str, first_row: dict | None, prompt_field: str = "prompt",
-                  reference_field: str = "reference", label_field: str = "label") -> tuple[str, dict[str, str]]:
+                  reference_field: str = "reference", label_field: str = "label",
+                  written: frozenset[str] = frozenset()) -> tuple[str, dict[str, str]]:
     """(resolved format, {"prompt"|"reference"|"label": field path}) for ``data.format`` and the configured
-    fields; a configured field that differs from its default overrides the preset."""
+    fields; a configured field that differs from its default, or that the user wrote (``written`` holds
+    ``"prompt"`` / ``"reference"`` / ``"label"`` for data.*_field keys in the config), overrides the preset."""
     if fmt not in FORMATS:
         raise ValueError(f"data.format={fmt!r} is not one of {', '.join(FORMATS)}")
     if fmt == "auto":
         fmt = detect_format(first_row or {}, reference_field)
     configured = {"prompt": prompt_field, "reference": reference_field, "label": label_field}
-    fields = {k: v if v != DEFAULT_FIELDS[k] else PRESETS[fmt][k] for k, v in configured.items()}
+    fields = {k: v if v != DEFAULT_FIELDS[k] or k in written else PRESETS[fmt][k] for k, v in configured.items()}
     return fmt, fields

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from streamrft.data.chat import check_messages, is_messages
 from streamrft.data.errors import DataError
-from streamrft.data.formats import get_field, field_mapping
+from streamrft.data.formats import field_mapping, get_field, written_roles
 from streamrft.data.rows import read_rows
 
 
@@ -45,13 +45,14 @@ class PromptDataset:
         require_reference: bool = True,
         format: str = "flat",
         chat_template: str = "auto",
+        written: frozenset[str] = frozenset(),
     ) -> None:
         self.path = Path(path)
         self.rows: list[PromptRow] = []
         raws = read_rows(path)
         try:
             self.format, self.fields = field_mapping(format, raws[0] if raws and isinstance(raws[0], dict) else None,
-                                                     prompt_field, reference_field, label_field)
+                                                     prompt_field, reference_field, label_field, written)
         except ValueError as exc:
             raise DataError(f"{self.path}: {exc}") from None
         self._chat_template = chat_template
@@ -63,10 +64,14 @@ class PromptDataset:
             raise DataError(f"{self.path}: the dataset has no rows")
 
     @classmethod
-    def from_config(cls, path: str | Path, data_cfg, require_reference: bool = True) -> "PromptDataset":
-        """The dataset at ``path`` read with the run's ``data`` section (fields, format, chat_template)."""
+    def from_config(cls, path: str | Path, data_cfg, require_reference: bool = True,
+                    written_keys: frozenset[str] | None = None) -> "PromptDataset":
+        """The dataset at ``path`` read with the run's ``data`` section (fields, format, chat_template);
+        ``written_keys``: the config keys the user wrote (``Config._written``), so a data.*_field written with
+        its default value still wins over the format's preset."""
+        written = written_roles(written_keys)
         return cls(path, data_cfg.prompt_field, data_cfg.reference_field, data_cfg.label_field, require_reference,
-                   data_cfg.format, data_cfg.chat_template)
+                   data_cfg.format, data_cfg.chat_template, written)
 
     def _hint(self, role: str) -> str:
         if self.format != "flat":

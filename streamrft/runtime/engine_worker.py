@@ -78,7 +78,7 @@ async def serve(cfg, spec: dict) -> None:
     module.to(device).eval()
     engine = build_engine(cfg.engine, module, tokenizer, device, model_path=cfg.model.path, own_weights=True)
     d = cfg.data
-    dataset = PromptDataset.from_config(d.train_path, d)
+    dataset = PromptDataset.from_config(d.train_path, d, written_keys=getattr(cfg, "_written", None))
     scorer = build_reward_scorer(cfg.reward)
     teacher = build_teacher_client(cfg.teacher, cfg.reward.timeout_s, cfg.reward.retries)
     accounting = Accounting(rank=rank)
