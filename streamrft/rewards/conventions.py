@@ -262,7 +262,7 @@ class TRLAdapter(_Adapter):
         return (), {k: v for k, v in kwargs.items() if k in declared}
 
     def read(self, result: Any, n: int, what: str) -> list[Any]:
-        values = _as_list(result, f"{what} returned {type(result).__name__}, which")
+        values = _as_list(result, f"{what}: the return value")
         if len(values) != n:
             raise ConventionError(f"{what} returned {len(values)} values for {n} completions")
         out: list[Any] = []
@@ -324,7 +324,7 @@ class VerlAdapter(_Adapter):
         return _number(result, f"{what} return value")
 
     def read(self, result: Any, n: int, what: str) -> list[Any]:
-        values = _as_list(result, f"{what} returned {type(result).__name__}, which")
+        values = _as_list(result, f"{what}: the return value")
         if len(values) != n:
             raise ConventionError(f"{what} returned {len(values)} values for {n} samples")
         out: list[Any] = []
@@ -372,10 +372,11 @@ class OpenRLHFAdapter(_Adapter):
                     f"{what} returned a dict without 'rewards' (keys: {', '.join(map(str, result)) or 'none'})"
                 )
             result = result["rewards"]
-            what = f"{what} 'rewards'"
-        values = _as_list(result, f"{what} is a {type(result).__name__} and")
+            values = _as_list(result, f"{what}: 'rewards'")
+        else:
+            values = _as_list(result, f"{what}: the return value")
         if len(values) != n:
-            raise ConventionError(f"{what} has {len(values)} values for {n} samples")
+            raise ConventionError(f"{what} returned {len(values)} values for {n} samples")
         out: list[Any] = []
         for i, v in enumerate(values):
             try:
