@@ -107,3 +107,27 @@ def test_config_format_key_and_datasets_sources(tmp_path):
     # a local file that is missing is still just missing, not a hub id
     with pytest.raises(DataError, match=r"dataset file .*none.jsonl does not exist"):
         PromptDataset(tmp_path / "none.jsonl")
+
+
+def test_the_configs_in_docs_migrating_load_and_validate(tmp_path, monkeypatch):
+    """Every StreamRFT config shown in docs/migrating.md is a valid config (keys, types, variant rules)."""
+    import re
+    from pathlib import Path
+
+    from streamrft.config.validate import validate_all
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "migrating.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)  # the reward files the docs name, as the user would have them
+    (tmp_path / "my_rewards.py").write_text("def accuracy_reward(completions, solution, **kwargs):\n"
+                                            "    return [float(c.strip() == s) for c, s in zip(completions, solution)]\n")
+    (tmp_path / "my_reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                           "    return float(solution_str.strip() == ground_truth)\n")
+    for i, block in enumerate(blocks):
+        (tmp_path / f"c{i}.yaml").write_text(block)
+        cfg = load_config(tmp_path / f"c{i}.yaml")
+        validate_all(cfg, world_size=1, check_paths=False)
+        assert cfg.rollout.prompts_per_step == 32 and cfg.rollout.n_samples_per_prompt == 8
+        assert cfg.data.format == ("trl", "verl")[i] and cfg.model.path == "Qwen/Qwen2.5-1.5B-Instruct"
+        assert cfg.reward.sources[0].convention == ("trl", "verl")[i]
