@@ -304,12 +304,13 @@ class RemoteRewardClient:
             rewards = answer[_reward_key(answer, self.protocol)]
             if not isinstance(rewards, list) or not all(r is None or isinstance(r, (int, float)) for r in rewards):
                 raise TypeError(f"'rewards' must be a list of numbers or null, got {str(rewards)[:200]}")
-        except (ValueError, KeyError, TypeError) as exc:
+            values = [None if r is None else float(r) for r in rewards]
+        except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as exc:  # nested too deep, 10**400
             raise RemoteRewardError(
                 f"remote reward service {self.address}: malformed reply to request {request_id}: "
                 f"{type(exc).__name__}: {exc}"
             ) from None
-        return [None if r is None else float(r) for r in rewards]
+        return values
 
     async def close(self) -> None:
         """Close every socket (linger 0) and the ZeroMQ context; idempotent."""

@@ -267,3 +267,44 @@ def test_fuzz_http_body_parser_gives_a_request_or_value_error(raw, needs_referen
     assert protocols.decode(protocols.encode(request), protocols.RewardRequest) == request
     if needs_reference:
         assert all(item.reference for item in request.items)
+
+
+@pytest.mark.parametrize("reply", [b"[" * 100_000 + b"]" * 100_000, b'{"rewards": [1e400]}',
+                                   b'{"rewards": [' + b"9" * 400 + b"]}", b'{"rewards": "x"}', b"\xff\xfe"])
+def test_item6_a_bad_http_reply_fails_that_remote_reward_call_with_remote_reward_error(reply):
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from streamrft.rewards.remote import RemoteRewardClient, RemoteRewardError
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            return None
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    async def call():
+        client = RemoteRewardClient(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=5.0, retries=0)
+        try:
+            return await client.score([protocols.RewardItem(sample_id="s", prompt="", response="3", reference="3")])
+        finally:
+            await client.close()
+
+    try:
+        out = asyncio.run(call())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(out) == 1 and isinstance(out[0], RemoteRewardError), out
+    # inf is a number JSON may spell (1e400): that sample fails as non-finite; the others are malformed
+    assert ("gave no finite reward" if reply.startswith(b'{"rewards": [1e') else "malformed reply") in str(out[0])
