@@ -129,3 +129,51 @@ def test_config_check_needs_a_template_for_message_rows_before_the_model_loads(t
                              "data.system_prompt=x"])
     with pytest.raises(ConfigError, match=r"data.system_prompt is set but data.chat_template=none"):
         validate_data(cfg)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(chat_tok):
+    return chat_tok.name_or_path
+
+
+def test_streamrft_eval_renders_message_prompts_like_training(chat_model_dir, chat_tok, tmp_path, monkeypatch):
+    from streamrft.engines.hf import HFEngine
+    from streamrft.evaluate.config import load_eval_config, validate_eval_config
+    from streamrft.evaluate.run import evaluate
+
+    rows = [{"q": [{"role": "user", "content": "1+1="}], "gt": {"answer": "2"}},
+            {"q": [{"role": "user", "content": "2+3="}], "gt": {"answer": "5"}}]
+    data = tmp_path / "bench.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen: list[list[int]] = []
+    original = HFEngine.generate_all
+
+    async def recording(self, requests, *args, **kwargs):
+        seen.extend(r.prompt_ids for r in requests)
+        return await original(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(HFEngine, "generate_all", recording)
+    cfg = load_eval_config(None, [f"model_path={chat_model_dir}", f"data_path={data}", "prompt_key=q",
+                                  "reference_key=gt.answer", "format=arith", "n=1", "k=1", "max_new_tokens=2",
+                                  "system_prompt=1+0", f"output_path={tmp_path / 'out.jsonl'}"])
+    validate_eval_config(cfg)
+    summary = evaluate(cfg)
+    assert summary["n_problems"] == 2
+    expected = [chat_tok.apply_chat_template([{"role": "system", "content": "1+0"}, *r["q"]],
+                                             add_generation_prompt=True)["input_ids"] for r in rows]
+    assert seen == expected
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [o["reference"] for o in out] == ["2", "5"] and out[0]["prompt"] == rows[0]["q"]
+
+
+def test_streamrft_chat_refuses_a_system_prompt_without_a_template(tmp_path, plain_tok, capsys):
+    from streamrft.chat import chat_main
+    from streamrft.models.tiny import build_tiny_qwen2
+
+    model = tmp_path / "m"
+    build_tiny_qwen2(str(model), plain_tok, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                     intermediate_size=32)
+    assert chat_main([str(model), "--system-prompt", "x"]) == 2
+    assert "--system-prompt needs a chat template" in capsys.readouterr().err
+    assert chat_main([str(model), "--chat-template", "missing.jinja"]) == 2
+    assert "--chat-template='missing.jinja' is not 'auto', 'none' or an existing" in capsys.readouterr().err
