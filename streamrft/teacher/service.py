@@ -74,8 +74,9 @@ class TeacherService:
         return encode(TeacherReply(request_id=req.request_id, logprobs=logprobs))
 
     def _error(self, request_id: str, message: str) -> bytes:
+        # Not logged per request: the reply carries the reason to the client, which reports it, and a
+        # launcher that stops reading this process's stdout after "ready" must not block it on a full pipe.
         self.n_errors += 1
-        _log(f"rejected request {request_id or '?'}: {message[:300]}")
         return encode(TeacherReply(request_id=request_id, error=message))
 
 
