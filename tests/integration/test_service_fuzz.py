@@ -17,9 +17,7 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 
-import msgspec
 import pytest
 import zmq
 
