@@ -160,17 +160,19 @@ def validate_chat_template_present(cfg) -> None:
     have a chat template: told now, from the tokenizer files alone, not after the model is loaded."""
     from streamrft.data.chat import is_messages
     from streamrft.data.formats import field_mapping, get_field, written_roles
-    from streamrft.data.rows import is_datasets_source, read_rows
+    from streamrft.data.rows import first_row, is_datasets_source
     from streamrft.models.hub import resolve_model_dir
 
     d = cfg.data
     if d.chat_template != "auto" or not cfg.model.path or is_datasets_source(d.train_path):
         return
     try:
-        rows = read_rows(d.train_path)
-        _, fields = field_mapping(d.format, rows[0] if rows else None, d.prompt_field, d.reference_field, d.label_field,
+        row = first_row(d.train_path)  # one row, not the whole file
+        if row is None:
+            return
+        _, fields = field_mapping(d.format, row, d.prompt_field, d.reference_field, d.label_field,
                                   written_roles(getattr(cfg, "_written", None)))
-        if not rows or not is_messages(get_field(rows[0], fields["prompt"], None)):
+        if not is_messages(get_field(row, fields["prompt"], None)):
             return
         from transformers import AutoTokenizer
 

@@ -15,6 +15,12 @@ from pathlib import Path
 from streamrft.data.errors import DataError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
+try:
+    import pyarrow as _pa
+
+    _ARROW_ERRORS: tuple[type[BaseException], ...] = (_pa.ArrowException,)
+except ImportError:  # pyarrow is a dependency; this only keeps the module importable without it
+    _ARROW_ERRORS = ()
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -36,6 +42,28 @@ def read_rows(path: str | Path) -> list[dict]:
     if path.suffix not in JSONL_SUFFIXES:
         raise DataError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
     return _read_jsonl(path)
+
+
+def first_row(path: str | Path) -> dict | None:
+    """The first row of a local .jsonl / .parquet file without reading the rest (the config check peeks at it);
+    None when there is none or it cannot be read (the dataset loader reports that with its row)."""
+    path = Path(path)
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=1):
+                rows = batch.to_pylist()
+                return rows[0] if rows else None
+            return None
+        with path.open("rb") as f:
+            for raw in f:
+                if raw.strip():
+                    row = json.loads(raw.decode("utf-8"))
+                    return row if isinstance(row, dict) else None
+    except (OSError, ValueError, ImportError) + _ARROW_ERRORS:
+        return None
+    return None
 
 
 def is_datasets_source(value: str) -> bool:

@@ -26,10 +26,11 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
     rows = dataset.rows[:limit] if limit else dataset.rows
     mine = rows[rank::world_size]
     requests, mm, kept, errors, texts = [], {}, [], 0, {}
+    prompt_field = getattr(dataset, "fields", {}).get("prompt", "prompt")  # for errors: the field data.format read
     for i, r in enumerate(mine):
         if media is None:  # the Generator's rendering: text as-is, messages through the chat template
             texts[i], ids = prompt_ids(tokenizer, r.prompt, chat_template, system_prompt,
-                                       f"{dataset.path}: row {r.row} field 'prompt'")
+                                       f"{dataset.path}: row {r.row} field {prompt_field!r}")
         else:
             from streamrft.data.media import MediaError
 
