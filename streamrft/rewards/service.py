@@ -82,6 +82,7 @@ from streamrft.rewards.sources import resolve_reward_function
 
 SHUTDOWN_GRACE_S = 5.0  # time given to requests being scored to send their replies on shutdown
 LISTEN_BACKLOG = 128  # HTTP connections the kernel queues before accept (socketserver's default is 5)
+RCVHWM = 64  # ZeroMQ messages buffered per peer before they are read
 STUCK_THREADS_PER_WORKER = 3  # sync calls past the timeout kept running (they cannot be killed) per worker
 BUSY = "busy: "  # error prefixes the HTTP mode maps to a status code
 TIMED_OUT = "scoring timed out"
@@ -627,6 +628,9 @@ async def _serve(fn: RewardFunction, bind: str, workers: int, http: str | None, 
     # The hard guard behind --max-message-bytes: a frame over twice the limit is never buffered (libzmq
     # drops the connection); one between the two is read and gets an error reply.
     sock.setsockopt(zmq.MAXMSGSIZE, 2 * limits.max_message_bytes + 4096)
+    # libzmq buffers up to RCVHWM messages per peer before this loop reads them (default 1000: 100 MB of
+    # 100 kB requests); past it, it stops reading the peer's TCP stream, which is backpressure.
+    sock.setsockopt(zmq.RCVHWM, RCVHWM)
     server: ThreadingHTTPServer | None = None
     http_thread: threading.Thread | None = None
     try:

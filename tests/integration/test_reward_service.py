@@ -490,3 +490,44 @@ def test_item7_bad_limit_flags_exit_2_with_one_line():
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=30,
     )
     assert proc.returncode == 2 and proc.stderr.strip() == "serve-reward: error: --score-timeout-s=0.0 must be > 0"
+
+
+def test_item7_a_flood_of_large_requests_keeps_memory_bounded(services, hang_funcs):
+    """1,500 requests of 100 kB (150 MB) at a slow service: the queue holds 8 of them, the rest are
+    answered busy at once, and the service's peak RSS grows by far less than the flood."""
+    svc = services("--fn", f"{hang_funcs}:slow", "--workers", "1", "--max-queued", "8")
+
+    def rss_kb() -> int:
+        with open(f"/proc/{svc.proc.pid}/status") as f:
+            return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1))
+
+    start_kb, peak = rss_kb(), [0]
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            peak[0] = max(peak[0], rss_kb())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    ctx, sock = dealer(svc.address("tcp"))
+    errors: Counter = Counter()
+    try:
+        pad = "x" * 100_000
+        for i in range(1500):
+            sock.send(encode(RewardRequest(request_id=f"flood{i}", items=[RewardItem(sample_id="0", prompt=pad,
+                                                                                    response="3", reference="3")])))
+            while sock.poll(0):
+                errors[decode(sock.recv(), RewardReply).error[:6]] += 1
+        while sum(errors.values()) < 1500 - 8 and sock.poll(10_000):
+            errors[decode(sock.recv(), RewardReply).error[:6]] += 1
+    finally:
+        sampling.set()
+        sampler.join()
+        sock.close(linger=0)
+        ctx.term()
+    assert errors["busy: "] >= 1500 - 8 - 10, errors  # a few may have found a slot freed meanwhile
+    growth_mb = (peak[0] - start_kb) / 1024
+    assert growth_mb < 60, f"RSS grew {growth_mb:.0f} MB during a 150 MB flood"
+    print(f"flood: RSS {start_kb} kB -> peak {peak[0]} kB")
