@@ -96,6 +96,7 @@ def serve_teacher(model_dir: str, bind: str = "tcp://127.0.0.1:0", device: str =
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes + 4096)
+    sock.setsockopt(zmq.RCVHWM, 64)  # requests buffered per peer; past it libzmq stops reading (backpressure)
     stopping: list[str] = []
     try:
         try:
