@@ -40,6 +40,9 @@ SHAPES = {  # published Qwen2.5 config values
                  intermediate_size=128),
 }
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+# async on one GPU: the engine process's share of the device memory (weights, concatenated weights, static KV
+# cache, graphs: ~32 GiB at 1.5B); the learner takes the rest minus a margin. Both use expandable segments.
+ASYNC_ENGINE_SHARE = 0.3
 
 
 def workload(tiny: bool) -> dict:
@@ -105,7 +108,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         f"rollout.placement={placement}",
         # async, one GPU overlapped: the engine process decodes while the learner trains (staleness <= 1),
         # holding at most this share of the GPU's memory (its weights, KV cache and graphs)
-        *(["rollout.max_staleness=1", f"rollout.engine_memory_fraction={0.45 if cuda else 0.0}"]
+        *(["rollout.max_staleness=1", f"rollout.engine_memory_fraction={ASYNC_ENGINE_SHARE if cuda else 0.0}"]
           if placement == "async" else []),
         *os.environ.get("STREAMRFT_BENCH_EXTRA", "").split(),  # extra key=value overrides for an experiment
     ]
@@ -113,6 +116,9 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     cfg_path.write_text("reward:\n  sources:\n    - name: rand\n      type: custom\n"
                         f"      fn: {ROOT / 'benchmarks' / 'gpu_reward.py'}:random_reward\n")
     cfg = load_config(cfg_path, overrides)
+    if cuda and placement == "async":
+        # one GPU, two processes: the learner keeps to its share so the engine process's allocations fit too
+        torch.cuda.set_per_process_memory_fraction(1.0 - ASYNC_ENGINE_SHARE - 0.05)
     dist = init_distributed()
     validate_config(cfg, dist.world_size)
     if cuda:
@@ -365,7 +371,8 @@ def main() -> None:
                    "--steps", str(a.steps)] + (["--tiny"] if a.tiny else [])
             t0 = time.perf_counter()
             try:
-                subprocess.run(cmd, timeout=a.timeout, check=False, env=os.environ.copy())
+                env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") if system == "async" else os.environ.copy()
+                subprocess.run(cmd, timeout=a.timeout, check=False, env=env)
                 res_path = out / f"res_{size}_{system}.json"
                 res = json.loads(res_path.read_text()) if res_path.exists() else {"error": "no result file"}
             except subprocess.TimeoutExpired:
