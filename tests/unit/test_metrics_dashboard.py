@@ -34,6 +34,8 @@ def exercise_every_metric(metrics: PipelineMetrics) -> None:
     metrics.weight_sync_seconds.observe(0.3)
     metrics.weight_sync_bytes.inc(1024)
     metrics.staleness.observe(1)
+    metrics.admission_in_flight_groups.set(4)
+    metrics.admission_blocked.labels(reason="staleness").set(1)
     metrics.samples_admitted.inc()
     metrics.samples_trained.inc()
     metrics.samples_filtered.labels(reason="zero_std").inc()
