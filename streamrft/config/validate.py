@@ -156,24 +156,34 @@ def validate_data(cfg) -> None:
 
 
 def validate_chat_template_present(cfg) -> None:
-    """With data.chat_template=auto and message prompts (judged by the first training row), the tokenizer must
-    have a chat template: told now, from the tokenizer files alone, not after the model is loaded."""
+    """Message prompts (judged by the first training row): with data.chat_template=auto the tokenizer must have a
+    chat template, and no media field may be set (the processor path takes text): told now, from the tokenizer
+    files alone, not after the model is loaded."""
     from streamrft.data.chat import is_messages
     from streamrft.data.formats import field_mapping, get_field, written_roles
     from streamrft.data.rows import first_row, is_datasets_source
     from streamrft.models.hub import resolve_model_dir
 
     d = cfg.data
-    if d.chat_template != "auto" or not cfg.model.path or is_datasets_source(d.train_path):
+    if not cfg.model.path or is_datasets_source(d.train_path):
+        return
+    row = first_row(d.train_path)  # one row, not the whole file
+    if row is None:
         return
     try:
-        row = first_row(d.train_path)  # one row, not the whole file
-        if row is None:
-            return
         _, fields = field_mapping(d.format, row, d.prompt_field, d.reference_field, d.label_field,
                                   written_roles(getattr(cfg, "_written", None)))
-        if not is_messages(get_field(row, fields["prompt"], None)):
-            return
+    except ValueError:
+        return
+    if not is_messages(get_field(row, fields["prompt"], None)):
+        return
+    media = [f"data.{k}" for k in ("image_field", "video_field", "audio_field") if getattr(d, k)]
+    if media:  # the processor path takes text prompts; refused now rather than group by group
+        raise ConfigError(f"data.train_path={d.train_path}: row 0 field {fields['prompt']!r} is a list of messages, "
+                          f"which {', '.join(media)} do not support yet; give the prompts as text")
+    if d.chat_template != "auto":
+        return
+    try:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model.path, "model.path"))

@@ -125,6 +125,10 @@ def test_config_check_needs_a_template_for_message_rows_before_the_model_loads(t
     with pytest.raises(ConfigError, match=r"row 0 field 'prompt' is a list of messages, but the tokenizer of "
                                           r"model.path=.* has no chat template"):
         validate_data(cfg)
+    cfg = load_config(None, [f"model.path={model}", f"data.train_path={data}", "data.image_field=image"])
+    with pytest.raises(ConfigError, match=r"row 0 field 'prompt' is a list of messages, which data.image_field do "
+                                          r"not support yet"):
+        validate_data(cfg)
     cfg = load_config(None, [f"model.path={model}", f"data.train_path={data}", "data.chat_template=none",
                              "data.system_prompt=x"])
     with pytest.raises(ConfigError, match=r"data.system_prompt is set but data.chat_template=none"):
