@@ -304,7 +304,11 @@ async def run_with_signals(run) -> dict[str, float]:
         return await train_loop(run)
     except asyncio.CancelledError:
         if received:
-            run.engine.quiesce()  # a forward of the cancelled rollout may still run in its thread
+            # The long-lived stages go on after the loop is cancelled: stop them first, so no generate call
+            # queues another forward on the module while it is saved; then wait for the forward a cancelled
+            # call left running in its worker thread (FSDP swaps parameters during a forward).
+            await run.pipeline.stop()
+            run.engine.quiesce()
             run.checkpointer.save_on_signal()  # the last completed step, unless it is saved already
             raise KeyboardInterrupt(f"streamrft: stopped by {received[0]} on rank {run.dist.rank}; sockets closed") from None
         raise

@@ -88,5 +88,5 @@ def test_packed_values_equal_unpacked_and_training_lowers_the_value_loss(dist, m
 
 
 def test_a_missing_critic_path_names_the_key(dist):
-    with pytest.raises(ValueError, match="model.critic_path=''"):
+    with pytest.raises(ValueError, match="model.critic_path is empty"):
         Critic(ModelConfig(path="x"), TrainConfig(), EPS, dist, total_steps=1)
