@@ -59,27 +59,37 @@ def reward_curve(out: Path) -> list[float]:
     return [json.loads(line)["reward_mean"] for line in (out / "steps.jsonl").read_text().splitlines()]
 
 
+STEPS = 60
+# decode in chunks of 16 rows: generation then takes about as long as a train step, as on GPUs where generation
+# dominates (the tiny model's whole-step decode on CPU is several times faster than its update)
+LEARNING = [f"train.max_steps={STEPS}", "rollout.max_staleness=1", "rollout.prompts_per_step=32",
+            "engine.max_batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def colocated_run(warm_arith, tmp_path_factory) -> tuple[dict, list[float]]:
+    """The colocated baseline, once: one rank (the first step's loss is the same on 1, 2 or 3 ranks:
+    tests/integration/test_train_e2e.py), staleness 1 like the async runs."""
+    out = tmp_path_factory.mktemp("colocated")
+    return run(warm_arith, out, *LEARNING), reward_curve(out)
+
+
 @pytest.mark.parametrize("learners", [1, 2])
-def test_async_learns_like_colocated_within_the_staleness_bound(warm_arith, tmp_path, learners):
-    """The same 60 steps colocated and async (staleness 1 both): the training reward rises in both, held-out
+def test_async_learns_like_colocated_within_the_staleness_bound(warm_arith, tmp_path, learners, colocated_run):
+    """60 steps async (staleness 1) against the colocated baseline: the training reward rises, held-out
     accuracy ends within 5 points, every trained token is at most one version behind, and engine and
-    learner are busy at the same time for a real share of the wall time."""
-    steps = 60
-    # decode in chunks of 16 rows: generation then takes about as long as a train step, as on GPUs where
-    # generation dominates (the tiny model's whole-step decode on CPU is several times faster than its update)
-    common = [f"train.max_steps={steps}", "rollout.max_staleness=1", "rollout.prompts_per_step=32",
-              "engine.max_batch_size=16"]
-    colocated = run(warm_arith, tmp_path / "colocated", *common, ranks=learners)
+    learner are busy at the same time."""
+    colocated, colocated_curve = colocated_run
     out = tmp_path / "async"
-    summary = run(warm_arith, out, *common, "rollout.placement=async", "rollout.engine_ranks=1",
+    summary = run(warm_arith, out, *LEARNING, "rollout.placement=async", "rollout.engine_ranks=1",
                   f"sinks.jsonl={out / 'traj'}", ranks=learners)
     print("colocated", colocated, "\nasync", summary)
-    for curve in (reward_curve(tmp_path / "colocated"), reward_curve(out)):
+    for curve in (colocated_curve, reward_curve(out)):
         assert sum(curve[-20:]) / 20 > sum(curve[:10]) / 10 + 0.02, curve
     assert abs(summary["heldout_accuracy_after"] - colocated["heldout_accuracy_after"]) <= 0.05
     # rank 0's share: its own trained samples (the groups routed to it) and nothing lost
-    assert summary["samples_admitted"] == summary["samples_trained"] == steps * 32 * 8 // learners
-    check_versions(out, 1, steps * 32 * 8)
+    assert summary["samples_admitted"] == summary["samples_trained"] == STEPS * 32 * 8 // learners
+    check_versions(out, 1, STEPS * 32 * 8)
     # Both busy at once (not taking turns). The issue's target is >= 0.5; on the 2-core CPU, where the engine
     # process, the learner and the scoring share two cores, 0.20-0.32 was measured (benchmarks/NOTES.md), so
     # this bound only checks that they overlap; the GPU benchmark reports the fraction where it matters.
