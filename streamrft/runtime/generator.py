@@ -58,6 +58,7 @@ class _StepState:
     filtered_in_wave: int = 0  # filtered since the last refill decision
     all_admitted: bool = False  # every planned group has been admitted
     ended: bool = False  # end_of_step sent
+    deferred: bool = False  # a refill is due but the gate was closed
 
 
 class Generator(Stage):
@@ -239,7 +240,6 @@ class Generator(Stage):
             self._busy_since = time.time()
         task = asyncio.create_task(self._generate(groups), name=f"generator-batch-rank{self.ctx.rank}")
         self.generating.add(task)
-        self._idle = None
         task.add_done_callback(self._on_task_done)
 
     async def _consume_feedback(self) -> None:
@@ -261,10 +261,14 @@ class Generator(Stage):
         prompts for the step's shortfall of kept groups (as one wave, like the step loop did; refills
         belong to a step already admitted, so they bypass the staleness bound). True if any started."""
         algo = self.cfg.algorithm
-        filtered, state.filtered_in_wave = state.filtered_in_wave, 0
         deficit = state.quota - state.kept
-        if not (algo.dynamic_sampling and filtered and deficit > 0):
+        if not (algo.dynamic_sampling and state.filtered_in_wave and deficit > 0):
+            state.filtered_in_wave = 0
             return False
+        if not self.gate.open:  # the learner has the devices: refill once the gate reopens (``reopened``)
+            state.deferred = True
+            return True
+        state.filtered_in_wave = 0
         picks = []
         for _ in range(max(min(deficit, algo.max_extra_prompts - self.refills_used), 0)):
             picks.append((self.refills_used * self.world_size + self.ctx.rank, self.refills_used))
@@ -297,6 +301,12 @@ class Generator(Stage):
             raise StageError(f"stage generator on rank {self.ctx.rank}: generation still running after "
                              f"{timeout_s:.0f}s when the learner needed the devices (rollout.stage_timeout_s)") from None
         self._raise_failure()
+
+    async def reopened(self) -> None:
+        """The gate is open again: start the refills deferred while it was closed."""
+        for step in sorted(s for s, state in self.steps.items() if state.deferred):
+            self.steps[step].deferred = False
+            await self._maybe_end(step)
 
     def forget_through(self, step: int) -> None:
         """Drop the bookkeeping of steps up to ``step`` (trained)."""

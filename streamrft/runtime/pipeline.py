@@ -135,6 +135,7 @@ class Pipeline:
         self.ctx.rollout_active.set()
         await self.gate.set_version(version)
         await self.gate.set_open(True)
+        await self.generator.reopened()
 
     def stateful(self) -> dict:
         """Per-rank objects a checkpoint keeps (the Generator's refill counter)."""
