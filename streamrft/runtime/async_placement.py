@@ -157,6 +157,8 @@ class AsyncLearnerPipeline:
     async def take(self, step: int, learner_version: int) -> TrainBatch:
         batch = asyncio.create_task(self.feed.take(step, learner_version), name=f"take-rank{self.dist.rank}")
         timeout_s = self.cfg.rollout.stage_timeout_s
+        # the wait starts now: a long train step before it (engines held back by the staleness bound) is no hang
+        self.feed.last_arrival = max(self.feed.last_arrival, time.monotonic())
         try:
             while not batch.done():
                 await asyncio.wait({batch, *self.tasks}, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
