@@ -93,31 +93,28 @@ class Pipeline:
     async def take(self, step: int, learner_version: int) -> TrainBatch:
         """This rank's batch of ``step`` once every stage has delivered it, watching every stage task:
         one that dies stops the wait with its name and rank."""
-        batch = asyncio.create_task(self.feed.take(step, learner_version), name=f"take-rank{self.ctx.rank}")
+        return await self._watched(self.feed.take(step, learner_version), f"take-rank{self.ctx.rank}")
+
+    async def _watched(self, coro, name: str):
+        """Await ``coro`` while watching every stage task: one that dies ends the wait with its error."""
+        task = asyncio.create_task(coro, name=name)
         try:
-            while not batch.done():
-                await asyncio.wait({batch, *self.tasks}, return_when=asyncio.FIRST_COMPLETED)
+            while not task.done():
+                await asyncio.wait({task, *self.tasks}, return_when=asyncio.FIRST_COMPLETED)
                 self._check_stages()
-            return batch.result()
+            return task.result()
         finally:
-            if not batch.done():
-                batch.cancel()
-                batch.add_done_callback(lambda t: t.cancelled() or t.exception())
+            if not task.done():
+                task.cancel()
+                # its late exception (ChannelClosed at shutdown) is expected: mark it retrieved
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def pause(self) -> None:
         """Close the gate and wait until no generate call runs (the learner needs the devices, or the
         evaluation needs the engine)."""
         await self.gate.set_open(False)
         self.ctx.rollout_active.clear()
-        wait = asyncio.create_task(self.generator.wait_idle(self.ctx.stage_timeout_s))
-        try:
-            while not wait.done():
-                await asyncio.wait({wait, *self.tasks}, return_when=asyncio.FIRST_COMPLETED)
-                self._check_stages()
-            wait.result()
-        finally:
-            if not wait.done():
-                wait.cancel()
+        await self._watched(self.generator.wait_idle(self.ctx.stage_timeout_s), f"drain-rank{self.ctx.rank}")
 
     @contextlib.asynccontextmanager
     async def hold(self):
