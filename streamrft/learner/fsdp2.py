@@ -1,7 +1,8 @@
 """The FSDP2 strategy: a Hugging Face causal LM sharded with ``fully_shard``, trained with AdamW.
 
-Sharding: each decoder layer is its own FSDP group, then the root (embeddings, final norm, LM head) is one
-more group; parameters are kept in float32 and, when model.dtype is bf16/fp16, cast for compute by a
+Sharding: each decoder layer is its own FSDP group, and so is each block of a vision-language model's
+vision tower and its merger (``media_encoder_units``: a 600M-parameter tower is not gathered whole for one
+image); then the root (embeddings, patch embedding, final norm, LM head) is one more group; parameters are kept in float32 and, when model.dtype is bf16/fp16, cast for compute by a
 MixedPrecisionPolicy (gradients reduced in float32). Works at world size 1 on a one-rank group.
 
 Gradient scaling: the caller's loss on each rank is already normalised by *global* token counts, so the
@@ -76,15 +77,31 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def media_encoder_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The vision tower's blocks, then its merger, of a Qwen2-VL-family model (``model.visual`` in
+    transformers >= 5, ``visual`` before); [] for a model without a vision tower. Each becomes its own FSDP
+    unit, so the tower is gathered one block at a time like the decoder."""
+    visual = getattr(getattr(model, "model", None), "visual", None) or getattr(model, "visual", None)
+    if visual is None:
+        return []
+    blocks = getattr(visual, "blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        raise ValueError(f"{type(model).__name__}: the vision tower {type(visual).__name__} has no blocks "
+                         "ModuleList; this vision tower is not supported by the fsdp2 strategy yet")
+    merger = getattr(visual, "merger", None)
+    return list(blocks) + ([merger] if isinstance(merger, torch.nn.Module) else [])
+
+
 def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dtype | None,
                 compile_head: bool = False) -> torch.nn.Module:
-    """fully_shard each decoder layer, then the root; register the log-prob forward method. In place."""
+    """fully_shard each vision block and the merger (VL models), each decoder layer, then the root; register
+    the log-prob forward method. In place."""
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
     kwargs = {"mesh": mesh, "reshard_after_forward": True}
     if compute_dtype is not None and compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
+    for unit in media_encoder_units(model) + decoder_layers(model):
+        fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     model.__dict__[LOGPROB_METHOD] = types.MethodType(_logprob_method, model)
     model.__dict__[COMPILE_HEAD_FLAG] = compile_head
@@ -96,18 +113,31 @@ def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def fsdp_unit_names(model: torch.nn.Module) -> list[str]:
+    """Module names of the FSDP units of a sharded model, in module order ("" is the root)."""
+    return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
 def move_batch(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+
+
+def prefix_matches(name: str, prefix: str) -> bool:
+    """Whether ``model.freeze_prefix`` entry ``prefix`` covers parameter ``name``: the name starts with it,
+    or does once the wrapper segment ``model.`` is dropped. transformers >= 5 nests the towers of a
+    conditional-generation model under ``model.`` (``model.visual.blocks.0...``), while configs and older
+    checkpoints say ``visual.``; both spellings freeze the same tower."""
+    return name.startswith(prefix) or (name.startswith("model.") and name[len("model."):].startswith(prefix))
 
 
 def _apply_freeze_prefix(model: torch.nn.Module, prefixes: list[str]) -> None:
     names = [n for n, _ in model.named_parameters()]
     for prefix in prefixes:
-        if not any(n.startswith(prefix) for n in names):
+        if not any(prefix_matches(n, prefix) for n in names):
             raise ValueError(f"model.freeze_prefix entry {prefix!r} matches no parameter; names look like "
                              f"{names[:3]}; fix or remove the entry")
     for name, p in model.named_parameters():
-        if any(name.startswith(prefix) for prefix in prefixes):
+        if any(prefix_matches(name, prefix) for prefix in prefixes):
             p.requires_grad_(False)
 
 

@@ -60,10 +60,12 @@ def build_tiny_qwen2_vl(
     vision_dim: int = 32,
     image_size: int = 32,
     seed: int = 0,
+    vision_depth: int = 1,
 ) -> str:
     """Build and save a random tiny Qwen2-VL, its tokenizer and processor to ``out_dir``; returns it.
 
-    Images are resized to at most ``image_size``^2 pixels (min 16x16), patch 4, merge 2.
+    Images are resized to at most ``image_size``^2 pixels (min 16x16), patch 4, merge 2; the vision tower
+    has ``vision_depth`` blocks.
     """
     head_dim = hidden_size // num_heads
     if hidden_size % num_heads or head_dim % 4:
@@ -82,7 +84,7 @@ def build_tiny_qwen2_vl(
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
             bos_token_id=tokenizer.eos_token_id,
         ),
-        vision_config=dict(depth=1, embed_dim=vision_dim, hidden_size=hidden_size, num_heads=2, mlp_ratio=2,
+        vision_config=dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden_size, num_heads=2, mlp_ratio=2,
                            patch_size=4, spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
