@@ -60,15 +60,12 @@ import hashlib
 import json
 import math
 import queue
-import signal
-import socket
 import sys
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import msgspec
@@ -79,12 +76,20 @@ from protocols import ProtocolError, RewardItem, RewardReply, RewardRequest, dec
 from streamrft.rewards.custom import BatchRewardError, RewardFunction
 from streamrft.rewards.remote import peek_request_id
 from streamrft.rewards.sources import resolve_reward_function
+from streamrft.serving import (
+    BUSY,
+    QueueBound,
+    bind_router,
+    check_bind,
+    json_http_handler,
+    parse_http,
+    run_until_signal,
+    serve_router,
+    start_http,
+    stop_http,
+)
 
-SHUTDOWN_GRACE_S = 5.0  # time given to requests being scored to send their replies on shutdown
-LISTEN_BACKLOG = 128  # HTTP connections the kernel queues before accept (socketserver's default is 5)
-RCVHWM = 64  # ZeroMQ messages buffered per peer before they are read
 STUCK_THREADS_PER_WORKER = 3  # sync calls past the timeout kept running (they cannot be killed) per worker
-BUSY = "busy: "  # error prefixes the HTTP mode maps to a status code
 TIMED_OUT = "scoring timed out"
 # Rules that compare with the reference; a custom function says so with ``fn.needs_reference = True``.
 REFERENCE_RULES = ("arith", "gsm8k", "math")
@@ -221,38 +226,34 @@ class RewardService:
         self._cache: OrderedDict[tuple[str, bytes], tuple[RewardReply, int]] = OrderedDict()
         self._cache_bytes = 0
         self._pending: dict[tuple[str, bytes], asyncio.Future[RewardReply]] = {}
-        self._admit_lock = threading.Lock()  # admit/release come from the loop and from HTTP threads
-        self.queued = 0  # requests received and not yet answered
-        self.queued_bytes = 0
+        self.queue = QueueBound(self.limits.max_queued, self.limits.max_queued_bytes, doing="scored")
         self.n_requests = 0  # requests received (retries included)
         self.n_scored = 0  # requests actually scored
         self.n_cached = 0  # retries answered from the cache or joined to a request being scored
         self.n_errors = 0  # error replies (bad frames, failed functions, busy, timeouts)
-        self.n_busy = 0  # requests refused because the queue was full
         self.n_timeouts = 0  # requests whose scoring passed --score-timeout-s
         self.n_item_failures = 0  # samples whose function raised or returned a non-finite value
 
-    # --- admission: bounded queue --------------------------------------------------------------
+    # --- admission: bounded queue (streamrft.serving.QueueBound) --------------------------------
+
+    @property
+    def queued(self) -> int:
+        return self.queue.queued  # requests received and not yet answered
+
+    @property
+    def queued_bytes(self) -> int:
+        return self.queue.queued_bytes
+
+    @property
+    def n_busy(self) -> int:
+        return self.queue.n_busy  # requests refused because the queue was full
 
     def admit(self, nbytes: int) -> str:
         """Count one request of ``nbytes`` as queued; "" when admitted, else the busy error message."""
-        lim = self.limits
-        with self._admit_lock:
-            if self.queued + 1 > lim.max_queued or self.queued_bytes + nbytes > lim.max_queued_bytes:
-                self.n_busy += 1
-                return (
-                    f"{BUSY}{self.queued} requests ({self.queued_bytes} bytes) are waiting to be scored; the limits "
-                    f"are --max-queued={lim.max_queued} and --max-queued-bytes={lim.max_queued_bytes}; "
-                    "retry later or start another service"
-                )
-            self.queued += 1
-            self.queued_bytes += nbytes
-            return ""
+        return self.queue.admit(nbytes)
 
     def release(self, nbytes: int) -> None:
-        with self._admit_lock:
-            self.queued -= 1
-            self.queued_bytes -= nbytes
+        self.queue.release(nbytes)
 
     # --- scoring ---------------------------------------------------------------------------------
 
@@ -361,173 +362,45 @@ class RewardService:
         return encode(await self.handle(request))
 
 
-async def _serve_router(service: RewardService, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> None:
-    tasks: set[asyncio.Task] = set()
-
-    async def answer(envelope: list[bytes], payload: bytes) -> None:
-        try:
-            reply = await service.answer_frame(payload)
-        finally:
-            service.release(len(payload))
-        await sock.send_multipart([*envelope, reply])
-
-    while not stop.is_set():
-        if not await sock.poll(100, zmq.POLLIN):
-            continue
-        frames = await sock.recv_multipart()
-        refused = service.reject_frame(frames[-1])
-        if refused is not None:  # answered at once: a full queue never grows
-            await sock.send_multipart([*frames[:-1], refused])
-            continue
-        task = asyncio.create_task(answer(frames[:-1], frames[-1]))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    if tasks:
-        done, not_done = await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE_S)
-        for task in not_done:
-            task.cancel()
-        for task in done:
-            if not task.cancelled() and task.exception() is not None:
-                _log(f"a reply could not be sent: {task.exception()!r}")
-
-
-def _json_bytes(status: int, body: dict) -> tuple[int, bytes]:
-    return status, json.dumps(body).encode()
-
-
-class _BoundedHTTPServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer with a larger backlog and at most ``max_connections`` handler threads:
-    a connection past that gets a 503 JSON reply at once instead of a thread of its own."""
-
-    request_queue_size = LISTEN_BACKLOG
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
-        super().__init__(address, handler)
-        self._connections = threading.BoundedSemaphore(max_connections)
-        self.max_connections = max_connections
-
-    def process_request(self, request, client_address) -> None:
-        if not self._connections.acquire(blocking=False):
-            body = json.dumps({"error": f"{BUSY}{self.max_connections} HTTP connections are open "
-                                        "(--max-queued); retry later"}).encode()
-            try:
-                request.settimeout(1.0)
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._connections.release()
-
-
-def _http_handler(service: RewardService, loop: asyncio.AbstractEventLoop):
+def _http_handler(service: RewardService, loop: asyncio.AbstractEventLoop) -> type:
     limits = service.limits
     # A request waits for a scoring slot behind at most max_queued others, each bounded by the timeout.
     wait_s = limits.score_timeout_s * (1 + limits.max_queued / service.workers) + 5.0
 
-    class Handler(BaseHTTPRequestHandler):
-        timeout = limits.http_timeout_s  # socket timeout of every read: a stalled client cannot hold a thread
+    def count_error() -> None:
+        service.n_errors += 1
 
-        def log_message(self, fmt: str, *args: Any) -> None:  # quiet: one line per request is noise
-            return None
+    def health() -> dict:
+        return {"fn": service.fn.name, "workers": service.workers, "queued": service.queued,
+                "queued_bytes": service.queued_bytes, "requests": service.n_requests, "errors": service.n_errors,
+                "stuck_threads": service.threads.stuck() if service.threads else 0}
 
-        def _send(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            if self.request_version == "HTTP/0.9":  # a request line the stdlib could not read: reply as 1.0,
-                self.request_version = "HTTP/1.0"  # since 0.9 replies carry no status line or headers
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def post(raw: bytes) -> tuple[int, dict]:
+        try:
+            request, openrlhf = _parse_body(raw, service.needs_reference, service.fn.name)
+        except ValueError as exc:
+            service.n_errors += 1
+            return 400, {"error": str(exc)}
+        future = asyncio.run_coroutine_threadsafe(service.handle(request), loop)
+        try:
+            reply = future.result(timeout=wait_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return 504, {"error": f"no reply within {wait_s:.0f}s"}
+        except RuntimeError as exc:  # the loop is shutting down
+            return 503, {"error": f"the service is stopping: {exc}"}
+        if reply.error:
+            status = 503 if reply.error.startswith(BUSY) else 504 if reply.error.startswith(TIMED_OUT) else 500
+            if reply.error.startswith("request has "):
+                status = 413
+            return status, {"error": reply.error}
+        rewards = [None if math.isnan(r) else r for r in reply.rewards]
+        # OpenRLHF's client reads "rewards" (advantages) and "scores" (dynamic filtering); both are the reward.
+        return 200, {"rewards": rewards, "scores": rewards} if openrlhf else {"rewards": rewards}
 
-        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-            """Every error the stdlib answers itself (bad request line, unknown method, ...) as JSON."""
-            self.close_connection = True
-            try:
-                self._send(code, {"error": message or self.responses.get(code, ("error",))[0]})
-            except OSError:
-                pass
-
-        def do_GET(self) -> None:
-            if self.path.split("?", 1)[0].rstrip("/") == "/health":
-                self._send(200, {"status": "ok", "fn": service.fn.name, "workers": service.workers,
-                                 "queued": service.queued, "queued_bytes": service.queued_bytes,
-                                 "requests": service.n_requests, "errors": service.n_errors,
-                                 "stuck_threads": service.threads.stuck() if service.threads else 0})
-                return
-            self._send(404, {"error": f"no route GET {self.path[:200]}; POST a JSON body to score, GET /health"})
-
-        def do_POST(self) -> None:
-            status, body = self._post()
-            self._send(status, body)
-
-        def _post(self) -> tuple[int, dict]:
-            raw_length = self.headers.get("Content-Length")
-            if raw_length is None:
-                self.close_connection = True
-                return 411, {"error": "Content-Length is required"}
-            try:
-                length = int(raw_length)
-            except ValueError:
-                length = -1
-            if length < 0:
-                self.close_connection = True
-                return 400, {"error": f"Content-Length {raw_length[:40]!r} is not a byte count"}
-            if length > limits.max_message_bytes:
-                self.close_connection = True  # the body is not read: the connection cannot be reused
-                return 413, {"error": f"body of {length} bytes exceeds --max-message-bytes={limits.max_message_bytes}"}
-            busy = service.admit(length)
-            if busy:
-                service.n_errors += 1
-                self.close_connection = True
-                return 503, {"error": busy}
-            try:
-                return self._score(length)
-            finally:
-                service.release(length)
-
-        def _score(self, length: int) -> tuple[int, dict]:
-            try:
-                raw = self.rfile.read(length)
-            except (TimeoutError, socket.timeout):
-                service.n_errors += 1
-                self.close_connection = True
-                return 408, {"error": f"body not received within --http-timeout-s={limits.http_timeout_s}"}
-            if len(raw) < length:
-                self.close_connection = True
-                return 400, {"error": f"body ended after {len(raw)} of {length} bytes (Content-Length)"}
-            try:
-                request, openrlhf = _parse_body(raw, service.needs_reference, service.fn.name)
-            except ValueError as exc:
-                service.n_errors += 1
-                return 400, {"error": str(exc)}
-            future = asyncio.run_coroutine_threadsafe(service.handle(request), loop)
-            try:
-                reply = future.result(timeout=wait_s)
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-                return 504, {"error": f"no reply within {wait_s:.0f}s"}
-            except RuntimeError as exc:  # the loop is shutting down
-                return 503, {"error": f"the service is stopping: {exc}"}
-            if reply.error:
-                status = 503 if reply.error.startswith(BUSY) else 504 if reply.error.startswith(TIMED_OUT) else 500
-                if reply.error.startswith("request has "):
-                    status = 413
-                return status, {"error": reply.error}
-            rewards = [None if math.isnan(r) else r for r in reply.rewards]
-            # OpenRLHF's client reads "rewards" (advantages) and "scores" (dynamic filtering); both are the reward.
-            return 200, {"rewards": rewards, "scores": rewards} if openrlhf else {"rewards": rewards}
-
-    return Handler
+    return json_http_handler(max_message_bytes=limits.max_message_bytes, http_timeout_s=limits.http_timeout_s,
+                             queue=service.queue, health=health, post=post, count_error=count_error,
+                             what="POST a JSON body to score")
 
 
 def _request_from_json(raw: bytes, needs_reference: bool = False, fn_name: str = "the reward function") -> RewardRequest:
@@ -608,14 +481,6 @@ def _parse_body(raw: bytes, needs_reference: bool, fn_name: str) -> tuple[Reward
     return request, openrlhf
 
 
-def _parse_http(http: str) -> tuple[str, int]:
-    hostport = http.removeprefix("http://").rstrip("/")
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"--http {http!r} must be host:port, e.g. 127.0.0.1:8000")
-    return host, int(port)
-
-
 async def _serve(fn: RewardFunction, bind: str, workers: int, http: str | None, log_requests: bool,
                  stop: asyncio.Event, limits: ServiceLimits) -> RewardService:
     loop = asyncio.get_running_loop()
@@ -623,34 +488,20 @@ async def _serve(fn: RewardFunction, bind: str, workers: int, http: str | None, 
     loop.set_default_executor(threads)
     service = RewardService(fn, workers, log_requests, limits, threads)
     ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    # The hard guard behind --max-message-bytes: a frame over twice the limit is never buffered (libzmq
-    # drops the connection); one between the two is read and gets an error reply.
-    sock.setsockopt(zmq.MAXMSGSIZE, 2 * limits.max_message_bytes + 4096)
-    # libzmq buffers up to RCVHWM messages per peer before this loop reads them (default 1000: 100 MB of
-    # 100 kB requests); past it, it stops reading the peer's TCP stream, which is backpressure.
-    sock.setsockopt(zmq.RCVHWM, RCVHWM)
-    server: ThreadingHTTPServer | None = None
-    http_thread: threading.Thread | None = None
+    sock: zmq.asyncio.Socket | None = None
+    server = http_thread = None
     try:
-        sock.bind(bind)
+        sock = bind_router(ctx, bind, limits.max_message_bytes)
         _log(f"listening on {sock.getsockopt_string(zmq.LAST_ENDPOINT)}")
         if http:
-            host, port = _parse_http(http)
-            server = _BoundedHTTPServer((host, port), _http_handler(service, loop), limits.max_queued)
-            http_thread = threading.Thread(target=server.serve_forever, name="reward-http", daemon=True)
-            http_thread.start()
-            _log(f"listening on http://{host}:{server.server_address[1]}")
+            server, http_thread = start_http(http, _http_handler(service, loop), limits.max_queued, "reward-http")
+            _log(f"listening on http://{server.server_address[0]}:{server.server_address[1]}")
         _log(f"ready (fn={fn.name}, workers={workers}, score_timeout_s={limits.score_timeout_s})")
-        await _serve_router(service, sock, stop)
+        await serve_router(service, sock, stop, _log)
     finally:
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if http_thread is not None:
-            http_thread.join(timeout=SHUTDOWN_GRACE_S)
-        sock.close(linger=0)
+        stop_http(server, http_thread)
+        if sock is not None:
+            sock.close(linger=0)
         ctx.term()
     return service
 
@@ -662,26 +513,16 @@ def serve_reward(fn_spec: str, bind: str = "tcp://127.0.0.1:0", workers: int = 1
     if workers < 1:
         raise ValueError(f"--workers={workers} must be >= 1")
     limits.check()
-    if not bind.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ValueError(f"--bind {bind!r} must be a ZeroMQ address such as tcp://127.0.0.1:5555")
+    check_bind(bind)
     if http:
-        _parse_http(http)
+        parse_http(http)
     fn = resolve_reward_function(fn_spec)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        reason: list[str] = []
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                asyncio.get_running_loop().add_signal_handler(sig, lambda s=sig: (reason.append(s.name), stop.set()))
-        service = await _serve(fn, bind, workers, http, log_requests, stop, limits)
-        _log(
-            f"stopped on {reason[0] if reason else 'request'}: {service.n_requests} requests, "
-            f"{service.n_scored} scored, {service.n_cached} from cache, {service.n_errors} errors, "
-            f"{service.n_busy} busy, {service.n_timeouts} timed out, {service.n_item_failures} failed samples"
-        )
-
-    asyncio.run(main())
+    service, reason = run_until_signal(lambda stop: _serve(fn, bind, workers, http, log_requests, stop, limits))
+    _log(
+        f"stopped on {reason}: {service.n_requests} requests, "
+        f"{service.n_scored} scored, {service.n_cached} from cache, {service.n_errors} errors, "
+        f"{service.n_busy} busy, {service.n_timeouts} timed out, {service.n_item_failures} failed samples"
+    )
 
 
 def serve_reward_main(argv: list[str]) -> int:
