@@ -29,6 +29,7 @@ from protocols.pipeline import (
     ScoredSample,
     TrajectoryRecord,
 )
+from protocols.env import EnvClose, EnvReply, EnvRequest, EnvReset, EnvStep
 from protocols.reward import RewardItem, RewardReply, RewardRequest
 from protocols.teacher import TeacherReply, TeacherRequest
 
@@ -53,4 +54,9 @@ __all__ = [
     "RewardReply",
     "TeacherRequest",
     "TeacherReply",
+    "EnvReset",
+    "EnvStep",
+    "EnvClose",
+    "EnvReply",
+    "EnvRequest",
 ]

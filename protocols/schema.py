@@ -20,6 +20,10 @@ def all_message_types() -> list[type]:
         protocols.RewardReply,
         protocols.TeacherRequest,
         protocols.TeacherReply,
+        protocols.EnvReset,
+        protocols.EnvStep,
+        protocols.EnvClose,
+        protocols.EnvReply,
     ]
 
 

@@ -17,10 +17,10 @@ request is sent again. Within one service lifetime a retried id is answered from
 service restart the cache is gone and the batch is scored again (at-least-once scoring, exactly one
 result per item on this side).
 
-ZeroMQ details: every in-flight request owns a DEALER socket from a small pool (at most
-``max_concurrency`` sockets). A socket whose request timed out is closed (``linger=0``) and replaced,
-so a late reply to it is dropped with the socket and can never be read as the answer to a later
-request; a reply whose id is not the one awaited is discarded and counted in ``n_discarded``.
+ZeroMQ details (streamrft.dealer.DealerPool): every in-flight request owns a DEALER socket from a small
+pool (at most ``max_concurrency`` sockets). A socket whose request timed out is closed (``linger=0``)
+and replaced, so a late reply to it is dropped with the socket and can never be read as the answer to
+a later request; a reply whose id is not the one awaited is discarded and counted in ``n_discarded``.
 Deterministic failures (an error reply, a malformed reply, a version mismatch, a wrong number of
 rewards) are not retried: sending the same request again would give the same answer.
 """
@@ -39,9 +39,9 @@ from typing import Sequence
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from protocols import ProtocolError, ProtocolVersionError, RewardItem, RewardReply, RewardRequest, decode, encode
+from streamrft.dealer import DealerPool
 from streamrft.rewards.bounded import BoundedExecutor
 from protocols.base import check_frame
 
@@ -123,19 +123,21 @@ class RemoteRewardClient:
         self.n_timeouts = 0
         self.n_retries = 0
         self.n_failed = 0
-        self.n_discarded = 0
         self.in_flight = 0
         self.peak_in_flight = 0
         self._ids = itertools.count()
         self._client_id = uuid.uuid4().hex[:12]  # makes ids unique across clients of one service
         self._slots = asyncio.Semaphore(max_concurrency)
         self._is_zmq = address.startswith("tcp://")
-        self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context() if self._is_zmq else None
-        self._idle_sockets: list[zmq.asyncio.Socket] = []
+        self._dealers = DealerPool(address) if self._is_zmq else None
         # HTTP: urllib blocks, so posts run in this client's own daemon threads, never in the loop's
         # default executor that the hf engine's forwards use (a stalled service must not stall them).
         self._http_threads = None if self._is_zmq else BoundedExecutor(f"reward-http-{address}", max_concurrency)
         self._closed = False
+
+    @property
+    def n_discarded(self) -> int:
+        return self._dealers.n_discarded if self._dealers is not None else 0
 
     @property
     def deadline_s(self) -> float:
@@ -210,41 +212,17 @@ class RemoteRewardClient:
 
     # --- ZeroMQ ---------------------------------------------------------------------------------
 
-    def _take_socket(self) -> zmq.asyncio.Socket:
-        if self._idle_sockets:
-            return self._idle_sockets.pop()
-        assert self._ctx is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)  # close never blocks on unsent requests
-        sock.connect(self.address)
-        return sock
-
     async def _attempt_zmq(self, request_id: str, items: list[RewardItem]) -> list[float | None]:
-        sock = self._take_socket()
-        keep = False
+        assert self._dealers is not None
         try:
-            await sock.send(encode(RewardRequest(request_id=request_id, items=items)))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.timeout_s
-            while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0 or not await sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
-                    self.n_timeouts += 1
-                    raise _Retryable(f"no reply within {self.timeout_s}s")
-                data = await sock.recv()
-                if peek_request_id(data) not in ("", request_id):
-                    self.n_discarded += 1  # an answer to some earlier request: not ours
-                    continue
-                reply = self._decode_reply(data, request_id)
-                keep = True
-                return list(reply.rewards)
+            data = await self._dealers.request(encode(RewardRequest(request_id=request_id, items=items)),
+                                               self.timeout_s, lambda d: peek_request_id(d) in ("", request_id))
         except zmq.ZMQError as exc:  # the socket was closed under us (client closed) or broke
             raise RemoteRewardError(f"remote reward service {self.address}: socket error: {exc}") from None
-        finally:
-            if keep and not self._closed:
-                self._idle_sockets.append(sock)
-            elif not sock.closed:  # timed out or broken: a late reply must die with this socket
-                sock.close(linger=0)
+        if data is None:
+            self.n_timeouts += 1
+            raise _Retryable(f"no reply within {self.timeout_s}s")
+        return list(self._decode_reply(data, request_id).rewards)
 
     def _decode_reply(self, data: bytes, request_id: str) -> RewardReply:
         try:
@@ -317,11 +295,7 @@ class RemoteRewardClient:
         if self._closed:
             return
         self._closed = True
-        for sock in self._idle_sockets:
-            sock.close(linger=0)
-        self._idle_sockets.clear()
         if self._http_threads is not None:
             self._http_threads.close()  # never joins a post still waiting on a stalled service
-        if self._ctx is not None:
-            # destroy, not term: term would wait forever for sockets of requests still in flight.
-            self._ctx.destroy(linger=0)
+        if self._dealers is not None:
+            self._dealers.close()
