@@ -18,6 +18,7 @@ from streamrft.config.base import ConfigError, Section
 from streamrft.config.checkpoint import CheckpointConfig
 from streamrft.config.data import DataConfig
 from streamrft.config.engine import EngineConfig
+from streamrft.config.env import EnvConfig
 from streamrft.config.metrics import MetricsConfig, SinksConfig
 from streamrft.config.model import ModelConfig
 from streamrft.config.reward import RewardConfig, RewardSourceConfig
@@ -50,6 +51,7 @@ class Config(Section, dict=True):
     sinks: SinksConfig = msgspec.field(default_factory=SinksConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)  # multi-turn episodes (docs/agents.md)
 
 
 __all__ = [
@@ -159,6 +161,8 @@ def validate_config(cfg: Config, world_size: int = 1, check_paths: bool = True) 
     Relative paths in a config are relative to the working directory. ``check_paths`` also checks
     that the model directory and the data files exist.
     """
+    from streamrft.config.env import validate_env
     from streamrft.config.validate import validate_all
 
     validate_all(cfg, world_size, check_paths)
+    validate_env(cfg)  # imports the environment's module (user code) after the cheaper checks, before any model
