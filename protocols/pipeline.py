@@ -19,9 +19,9 @@ class MediaRef(msgspec.Struct, frozen=True, kw_only=True):
 
     path: str  # absolute path readable by every process of the run (shared filesystem)
     sha256: str  # hex digest of the file's bytes at admission
-    kind: str  # "image" | "video_frame" | "audio"
+    kind: str  # "image" | "video_frame" (one frame of a frame-list video) | "video" (a video file) | "audio"
     field: str = ""  # dataset row field it came from (for error messages)
-    group: int = 0  # video_frame: which video of the row this frame belongs to (frames in order)
+    group: int = 0  # video_frame / video: which video of the row this is (frames in order)
 
 
 class PromptGroup(Message, kw_only=True):

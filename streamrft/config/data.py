@@ -18,6 +18,7 @@ class DataConfig(Section):
     max_prompt_tokens: int = 512  # longer prompts are a data error naming file and row
     eval_size: int = 0  # evaluate on the first N held-out rows; 0 = all
     image_field: str = ""  # row field with image(s): path, bytes, base64 data URI or list of them; "" = none
-    video_field: str = ""  # row field with a video: list of frame images or a video file (PyAV/torchcodec); "" = none
+    video_field: str = ""  # row field with a video: list of frame images or a video file (mp4/webm ..., the video extra: PyAV); "" = none
     audio_field: str = ""  # row field with audio clip(s): wav/flac path(s), resampled to the processor's rate; "" = none
     max_video_frames: int = 16  # videos keep this many evenly spaced frames; 0 = all
+    video_fps: float = 0.0  # video files are sampled at this many frames per second (by timestamp) before max_video_frames; 0 = every frame

@@ -152,7 +152,30 @@ def validate_data(cfg) -> None:
     if d.system_prompt and d.chat_template == "none":
         raise ConfigError("data.system_prompt is set but data.chat_template=none; a system prompt is rendered into "
                           "message prompts with a chat template: set data.chat_template=auto or clear data.system_prompt")
+    validate_video(cfg)
     validate_chat_template_present(cfg)
+
+
+def validate_video(cfg) -> None:
+    """Video settings, and PyAV present when the first training row's video field names a video file (a frame
+    list needs no decoder): told before start, not when the first group is admitted."""
+    from streamrft.data.media import VIDEO_EXTRA_HINT, have_video_decoder, split_videos
+    from streamrft.data.rows import first_row, is_datasets_source
+
+    d = cfg.data
+    if d.max_video_frames < 0:
+        raise ConfigError(f"data.max_video_frames={d.max_video_frames} must be >= 0 (0 keeps every frame)")
+    if d.video_fps < 0:
+        raise ConfigError(f"data.video_fps={d.video_fps} must be >= 0 (0 keeps every decoded frame)")
+    if not d.video_field or is_datasets_source(d.train_path) or have_video_decoder():
+        return
+    row = first_row(d.train_path)
+    value = row.get(d.video_field) if isinstance(row, dict) else None
+    files = [v for v in split_videos(value) if isinstance(v, str)]
+    if files:
+        raise ConfigError(f"data.train_path={d.train_path}: row 0 field {d.video_field!r} holds the video file "
+                          f"{files[0]!r}, and decoding video files needs PyAV, which is not installed; "
+                          f"{VIDEO_EXTRA_HINT}, or give each video as a list of frame images")
 
 
 def validate_chat_template_present(cfg) -> None:

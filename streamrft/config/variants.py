@@ -97,6 +97,7 @@ VARIANT_KEYS: dict[str, tuple[str, tuple | str]] = {
     "reward.sources[].model_path": ("reward.sources[].type", ("model",)),
     # data, metrics, sinks
     "data.max_video_frames": ("data.video_field", SET),
+    "data.video_fps": ("data.video_field", SET),
     "metrics.host": ("metrics.port", SET),
     "metrics.final_scrape_timeout_s": ("metrics.port", SET),
     "metrics.wandb_project": ("metrics.wandb", SET),

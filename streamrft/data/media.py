@@ -4,8 +4,8 @@ A row field holds media in one of these spellings:
 
 - image: a file path (str), raw bytes, a base64 data URI (``"data:image/png;base64,..."``), or a dict
   ``{"path": ...}`` / ``{"bytes": ...}`` (the Hugging Face datasets image struct);
-- video: a list of frame images (any image spelling above), or a video file path decoded with PyAV or
-  torchcodec when one of them is importable;
+- video: a list of frame images (any image spelling above), or a video file (mp4, webm, ...) decoded with
+  PyAV (the ``video`` extra), sampled at ``data.video_fps`` and capped at ``data.max_video_frames``;
 - audio: a wav / flac file path (or bytes) read with soundfile, mixed down to mono and resampled to the
   processor's rate (``resample``: linear interpolation).
 
@@ -131,29 +131,85 @@ def decode_image(value: object, loc: str) -> Image.Image:
 # ---------------------------------------------------------------------------------------------- video
 
 
-def _decode_video_file(path: str, loc: str, max_frames: int) -> list[Image.Image]:
-    _read_file(path, "video", loc)
+VIDEO_EXTRA_HINT = "pip install 'streamrft[video]' (PyAV)"
+
+
+def have_video_decoder() -> bool:
+    """Whether PyAV (the ``video`` extra) is importable: video files need it, frame lists do not."""
+    import importlib.util
+
+    return importlib.util.find_spec("av") is not None
+
+
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
+
+
+def split_videos(value: object) -> list[object]:
+    """A row's video field as one value per video: a video file path (str) is one video, a flat list of frame
+    images is one video, a list of those (frame lists, or paths ending in a VIDEO_SUFFIXES suffix) is several
+    videos in placeholder order."""
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(v, (list, tuple)) or (isinstance(v, str) and v.lower().endswith(VIDEO_SUFFIXES)) for v in value):
+        return list(value)
+    return [value]
+
+
+def sample_frame_times(times_s: list[float], fps: float) -> list[int]:
+    """Indices of the frames kept when a video is sampled at ``fps`` frames per second: for each tick
+    t_k = t_0 + k / fps (k = 0, 1, ...) up to the last frame's time, the first frame with time >= t_k
+    (a frame that two ticks select is kept once). ``fps <= 0`` keeps every frame.
+
+    Timestamps, not indices: a 30 fps clip and a 25 fps clip of the same scene sampled at 2 fps keep the
+    frames nearest the same instants."""
+    if fps <= 0 or not times_s:
+        return list(range(len(times_s)))
+    kept: list[int] = []
+    t0, step = times_s[0], 1.0 / fps
+    k, i = 0, 0
+    eps = 1e-9  # float timestamps (pts * time_base) of exact ticks must not slip past them
+    while i < len(times_s):
+        tick = t0 + k * step
+        while i < len(times_s) and times_s[i] < tick - eps:
+            i += 1
+        if i == len(times_s):
+            break
+        if not kept or kept[-1] != i:
+            kept.append(i)
+        k += 1
+    return kept
+
+
+def decode_video_file(data: bytes, name: str, loc: str, max_frames: int = 0, fps: float = 0.0) -> list[Image.Image]:
+    """RGB frames of an encoded video (mp4, webm, mkv ... anything FFmpeg reads) with PyAV, sampled at ``fps``
+    (``sample_frame_times``) then cut to ``max_frames`` evenly spaced frames (0 = no cap).
+
+    A file that does not decode, or decodes to fewer frames than its stream declares (a truncated
+    download), is a MediaError naming ``loc``: no silent partial video."""
     try:
         import av  # type: ignore[import-not-found]
     except ImportError:
-        av = None
-    if av is not None:
-        try:
-            with av.open(path) as container:
-                frames = [f.to_image().convert("RGB") for f in container.decode(video=0)]
-        except Exception as exc:  # PyAV raises its own error hierarchy
-            raise MediaError(f"{loc}: cannot decode {path!r} as a video ({type(exc).__name__})") from None
-        return _subsample(frames, max_frames)
+        raise MediaError(f"{loc}: decoding the video file {name!r} needs PyAV, which is not installed; "
+                         f"{VIDEO_EXTRA_HINT}, or give the video as a list of frame images") from None
     try:
-        from torchcodec.decoders import VideoDecoder  # type: ignore[import-not-found]
-    except ImportError:
-        raise MediaError(f"{loc}: decoding the video file {path!r} needs PyAV or torchcodec, and neither is "
-                         "installed; pip install av, or give the video as a list of frame image paths") from None
-    try:
-        frames_NCHW = VideoDecoder(path)[:]
-    except Exception as exc:
-        raise MediaError(f"{loc}: cannot decode {path!r} as a video ({type(exc).__name__})") from None
-    frames = [Image.fromarray(f.permute(1, 2, 0).numpy()) for f in frames_NCHW]
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise MediaError(f"{loc}: {name!r} has no video stream; give a video file or a list of frames")
+            stream = container.streams.video[0]
+            declared = int(stream.frames or 0)  # 0 when the container does not say (e.g. webm)
+            decoded = [(float(f.time or 0.0), f) for f in container.decode(stream)]
+            if declared and len(decoded) < declared:
+                raise MediaError(f"{loc}: {name!r} is truncated: its stream declares {declared} frames but only "
+                                 f"{len(decoded)} decode; re-download or re-encode it")
+            if not decoded:
+                raise MediaError(f"{loc}: {name!r} decodes to no frames (truncated or empty video); "
+                                 "re-encode it or drop the row")
+            keep = sample_frame_times([t for t, _ in decoded], fps)
+            frames = [decoded[i][1].to_image().convert("RGB") for i in keep]
+    except MediaError:
+        raise
+    except Exception as exc:  # PyAV's own hierarchy (av.error.InvalidDataError ...) and EOF errors
+        raise MediaError(f"{loc}: cannot decode {name!r} as a video ({type(exc).__name__}: {exc}); "
+                         "re-encode it (e.g. H.264 mp4) or drop the row") from None
     return _subsample(frames, max_frames)
 
 
@@ -164,13 +220,14 @@ def _subsample(frames: list[Image.Image], max_frames: int) -> list[Image.Image]:
     return [frames[i] for i in idx]
 
 
-def decode_video(value: object, loc: str, max_frames: int = 0) -> list[Image.Image]:
+def decode_video(value: object, loc: str, max_frames: int = 0, fps: float = 0.0) -> list[Image.Image]:
     """Frames (RGB PIL images) of a video given as a list of frame images or a video file path.
 
-    ``max_frames > 0`` keeps that many frames evenly spaced. All frames must share one size.
+    ``max_frames > 0`` keeps that many frames evenly spaced; ``fps > 0`` first samples a video file at that
+    rate (a frame list has no timestamps: its frames are the samples). All frames must share one size.
     """
     if isinstance(value, str):
-        frames = _decode_video_file(value, loc, max_frames)
+        frames = decode_video_file(_read_file(value, "video", loc), value, loc, max_frames, fps)
     elif isinstance(value, (list, tuple)):
         if not value:
             raise MediaError(f"{loc}: video has no frames; give a non-empty list of frame images")

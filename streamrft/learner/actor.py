@@ -114,7 +114,9 @@ class ActorUpdate:
             raise ValueError(f"train.strategy={self.cfg.train.strategy!r} has no processor for media samples; "
                              "use train.strategy=fsdp2 with a multimodal model.path")
         if self._codec is None:
-            self._codec = MediaCodec(processor)
+            # the Generator's frame sampling (data.max_video_frames / video_fps): the same frames, the same ids
+            self._codec = MediaCodec(processor, max_video_frames=self.cfg.data.max_video_frames,
+                                     video_fps=self.cfg.data.video_fps)
         per_sample = []
         for s in batch:
             c = s.header.completion

@@ -22,10 +22,13 @@ from protocols.pipeline import MediaRef
 from streamrft.data.media import (
     MediaError,
     _image_bytes,
+    _subsample,
     decode_audio,
     decode_image,
+    decode_video_file,
     read_ref,
     sha256_bytes,
+    split_videos,
     where,
 )
 from streamrft.models.multimodal import MEDIA_KEYS, build_model_inputs
@@ -49,10 +52,13 @@ class MediaCodec:
     """``refs(row, file)`` -> list[MediaRef]; ``inputs(prompt, refs, loc)`` -> one prompt's model inputs."""
 
     def __init__(self, processor, image_field: str = "", video_field: str = "", audio_field: str = "",
-                 spill_dir: str | None = None):
+                 spill_dir: str | None = None, max_video_frames: int = 0, video_fps: float = 0.0):
         self.processor = processor
         self.fields = {"image": image_field, "video_frame": video_field, "audio": audio_field}
         self.spill_dir = Path(spill_dir or os.path.join(tempfile.gettempdir(), "streamrft-media"))
+        # data.max_video_frames / data.video_fps: applied where refs become frames (``inputs``), so the
+        # Generator and the learner sample the same frames from the same hash-checked bytes
+        self.max_video_frames, self.video_fps = max_video_frames, video_fps
 
     @classmethod
     def from_config(cls, processor, data_cfg) -> MediaCodec | None:
@@ -64,7 +70,8 @@ class MediaCodec:
                           ("video_field", data_cfg.video_field), ("audio_field", data_cfg.audio_field)) if v]
             raise ValueError(f"{', '.join(set_fields)} is set but model.path is a text-only model; set model.path "
                              "to a vision-language or audio-language model, or clear the media field")
-        return cls(processor, data_cfg.image_field, data_cfg.video_field, data_cfg.audio_field)
+        return cls(processor, data_cfg.image_field, data_cfg.video_field, data_cfg.audio_field,
+                   max_video_frames=data_cfg.max_video_frames, video_fps=data_cfg.video_fps)
 
     # ---- row -> refs (admission) ----------------------------------------------------------------------
     def refs(self, row, file) -> list[MediaRef]:
@@ -78,12 +85,14 @@ class MediaCodec:
                                  f"{sorted(row.extra)}); fix the row or set data.{_config_key(kind)}")
             values = row.extra[name]
             if kind == "video_frame":
-                videos = values if values and isinstance(values[0], (list, tuple)) else [values]
-                for g, frames in enumerate(videos):
-                    if not isinstance(frames, (list, tuple)) or not frames:
-                        raise MediaError(f"{loc}: a video must be a non-empty list of frame images in the runtime "
-                                         "(video files are not carried by reference yet); extract frames first")
-                    out += [self._ref(v, "video_frame", name, loc, g) for v in frames]
+                for g, video in enumerate(split_videos(values)):
+                    if isinstance(video, str) and not video.startswith("data:"):
+                        out.append(self._ref(video, "video", name, loc, g))  # a video file, decoded in ``inputs``
+                        continue
+                    if not isinstance(video, (list, tuple)) or not video:
+                        raise MediaError(f"{loc}: a video must be a video file path or a non-empty list of frame "
+                                         f"images, got {type(video).__name__}")
+                    out += [self._ref(v, "video_frame", name, loc, g) for v in video]
             else:
                 for v in values if isinstance(values, (list, tuple)) else [values]:
                     out.append(self._ref(v, kind, name, loc))
@@ -121,14 +130,21 @@ class MediaCodec:
                 images.append(decode_image(data, where_ref))
             elif ref.kind == "video_frame":
                 videos.setdefault(ref.group, []).append(decode_image(data, where_ref))
+            elif ref.kind == "video":
+                videos[ref.group] = decode_video_file(data, ref.path, where_ref, self.max_video_frames, self.video_fps)
             elif ref.kind == "audio":
                 rate = self.processor.feature_extractor.sampling_rate
                 audios.append(decode_audio(data, rate, where_ref))
             else:
                 raise MediaError(f"{where_ref}: unknown media kind {ref.kind!r}")
+        # frame lists get the same cap as files (a file's frames were capped as decoded: a no-op for them)
+        clips = [_subsample(videos[g], self.max_video_frames) for g in sorted(videos)]
+        sizes = [sorted({f.size for f in clip}) for clip in clips]
+        for g, size in enumerate(sizes):
+            if len(size) > 1:
+                raise MediaError(f"{loc}: video {g} has frames of different sizes {size}; resize them to one size")
         try:
-            return build_model_inputs(self.processor, prompt,
-                                      {"images": images, "videos": [videos[g] for g in sorted(videos)], "audios": audios})
+            return build_model_inputs(self.processor, prompt, {"images": images, "videos": clips, "audios": audios})
         except MediaError:
             raise
         except ValueError as exc:
@@ -155,4 +171,4 @@ def _as_data_ref(ref: MediaRef):
     """streamrft.data.media.read_ref takes its own MediaRef (kind in image|video|audio)."""
     from streamrft.data.media import MediaRef as DataRef
 
-    return DataRef(path=ref.path, sha256=ref.sha256, kind="video" if ref.kind == "video_frame" else ref.kind)
+    return DataRef(path=ref.path, sha256=ref.sha256, kind="video" if ref.kind in ("video", "video_frame") else ref.kind)

@@ -2,7 +2,7 @@
 
 import base64
 import hashlib
-import importlib.util
+import sys
 
 import numpy as np
 import pytest
@@ -74,16 +74,15 @@ def test_a_video_of_frame_paths_decodes_and_mixed_frame_sizes_are_rejected(tmp_p
         decode_video([str(path), str(other)], LOC)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("av") or importlib.util.find_spec("torchcodec"),
-                    reason="a video decoder is installed")
-def test_a_video_file_without_a_decoder_gives_a_clear_error(tmp_path):
+def test_a_video_file_without_a_decoder_gives_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "av", None)  # as if the video extra (PyAV) were not installed
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(b"\x00" * 16)
     with pytest.raises(MediaError) as e:
         decode_video(str(clip), LOC)
-    assert str(e.value) == (f"train.jsonl row 3 field 'image': decoding the video file '{clip}' needs PyAV or "
-                            "torchcodec, and neither is installed; pip install av, or give the video as a list of "
-                            "frame image paths")
+    assert str(e.value) == (f"train.jsonl row 3 field 'image': decoding the video file '{clip}' needs PyAV, which is "
+                            "not installed; pip install 'streamrft[video]' (PyAV), or give the video as a list of "
+                            "frame images")
 
 
 def test_resampling_a_sine_keeps_its_frequency():
