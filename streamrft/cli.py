@@ -52,6 +52,12 @@ def _serve_reward(argv: list[str]) -> int:
     return serve_reward_main(argv)
 
 
+def _serve_env(argv: list[str]) -> int:
+    from streamrft.envs.service import serve_env_main
+
+    return serve_env_main(argv)
+
+
 def _serve_teacher(argv: list[str]) -> int:
     from streamrft.teacher.service import serve_teacher_main
 
@@ -111,6 +117,7 @@ def _replay(argv: list[str]) -> int:
 _PASSTHROUGH = {
     "replay": _replay,
     "serve-reward": _serve_reward,
+    "serve-env": _serve_env,
     "serve-teacher": _serve_teacher,
     "trajectories": _trajectories,
     "export": _export,
@@ -132,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema = sub.add_parser("schema", help="print the JSON Schema of every wire message")
     schema.set_defaults(func=_schema)
     sub.add_parser("serve-reward", help="serve a reward function over ZeroMQ or HTTP (see its --help)")
+    sub.add_parser("serve-env", help="serve an environment's episodes over ZeroMQ or HTTP (see its --help)")
     sub.add_parser("serve-teacher", help="serve teacher log-probs for on-policy distillation (see its --help)")
     sub.add_parser("train-rm", help="train a scalar or generative reward model: streamrft train-rm CONFIG (see its --help)")
     sub.add_parser("eval-rm", help="pairwise accuracy of a reward model on a held-out split (see its --help)")
