@@ -18,6 +18,7 @@ class EnvReset(Message, kw_only=True):
 
     episode_id: str
     row: dict[str, Any] = {}
+    env: str = ""  # the environment the client expects (its env.name); "" = whatever the service runs
 
 
 class EnvStep(Message, kw_only=True):
