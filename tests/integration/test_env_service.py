@@ -24,6 +24,8 @@ from protocols import decode, encode
 from protocols.env import EnvReply, EnvReset, EnvStep
 from streamrft.envs.remote import EnvServiceError, RemoteEnvClient
 
+pytestmark = pytest.mark.slow  # real processes (each test takes 1-2 s)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 ENVS = textwrap.dedent(
@@ -48,6 +50,10 @@ ENVS = textwrap.dedent(
 
         async def close(self):
             pass
+
+    class Hanging(Counting):
+        async def step(self, action):
+            await asyncio.sleep(3600)
 
     class Drifting(Counting):
         '''Not deterministic across processes: the observation holds the service's pid.'''
@@ -158,7 +164,6 @@ async def run_with_restart(env_file: Path, cls: str, n: int, turns: int) -> tupl
     return results, client, [first, second]
 
 
-@pytest.mark.slow
 def test_a_killed_and_restarted_service_loses_no_episode_and_steps_none_twice(env_file):
     n, turns = 12, 4
     results, client, procs = asyncio.run(run_with_restart(env_file, "Counting", n, turns))
@@ -180,7 +185,6 @@ def test_a_killed_and_restarted_service_loses_no_episode_and_steps_none_twice(en
             p.stop(signal.SIGKILL)
 
 
-@pytest.mark.slow
 def test_a_non_deterministic_environment_fails_its_lost_episodes_with_env_lost(env_file):
     n, turns = 8, 4
     results, client, procs = asyncio.run(run_with_restart(env_file, "Drifting", n, turns))
@@ -277,3 +281,24 @@ def test_an_unreachable_service_fails_the_call_within_its_deadline_naming_stage_
     assert str(exc).startswith(f"env_unreachable: env stage, rank 3, service {client.address}: EnvReset of episode ")
     # 3 attempts of the reset, 1 of the close (which is not a failed sample: not counted as one)
     assert client.failed_by_reason == {"env_unreachable": 1} and client.n_failed == 1 and client.n_timeouts == 4
+
+
+def test_the_http_client_runs_episodes_and_a_hanging_step_fails_with_env_timeout(env_file, services):
+    port, http_port = free_port(), free_port()
+    services("--env", f"{env_file}:Counting", "--bind", f"tcp://127.0.0.1:{port}", "--http", f"127.0.0.1:{http_port}",
+             "--env-kwargs", '{"turns": 2}')
+    hang_port = free_port()
+    services("--env", f"{env_file}:Hanging", "--bind", f"tcp://127.0.0.1:{hang_port}", "--step-timeout-s", "0.3")
+
+    async def go():
+        http = RemoteEnvClient(f"http://127.0.0.1:{http_port}/", timeout_s=5, retries=1)
+        done = await run_episode(http, 5, [])
+        hang = RemoteEnvClient(f"tcp://127.0.0.1:{hang_port}", timeout_s=5, retries=1, rank=2)
+        failed = await run_episode(hang, 6, [])
+        await http.close()
+        await hang.close()
+        return done, failed, hang
+
+    done, failed, hang = asyncio.run(go())
+    assert done == ("completed", expected_turns(5, 2))
+    assert failed == ("failed:env_timeout", [("start 6", 0.0)]) and hang.failed_by_reason == {"env_timeout": 1}
