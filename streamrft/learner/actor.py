@@ -106,9 +106,12 @@ class ActorUpdate:
         media tensors of its rows, concatenated in row order (pixel_values, image_grid_thw, ...)."""
         from streamrft.models.media_inputs import MediaCodec, media_tensors
 
-        if self.cfg.train.packing:
-            raise ValueError("train.packing=true cannot carry per-sample media (images / audio); set "
-                             "train.packing=false for multimodal data")
+        # Packed rows keep their samples' clips in sample_index order, the order their <|AUDIO|> placeholders
+        # appear in the row, so audio packs; images need 3-D M-RoPE positions (refused at model load too).
+        visual = sorted({r.kind for s in batch for r in s.header.completion.media if r.kind != "audio"})
+        if self.cfg.train.packing and visual:
+            raise ValueError(f"train.packing=true cannot carry per-sample {'/'.join(visual)} media (M-RoPE "
+                             "positions cannot be packed); set train.packing=false for vision-language data")
         processor = getattr(self.strategy, "processor", None)
         if processor is None:
             raise ValueError(f"train.strategy={self.cfg.train.strategy!r} has no processor for media samples; "

@@ -158,18 +158,29 @@ def media_placeholder_ids(model: torch.nn.Module) -> list[int]:
 
 
 def multimodal_hidden(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, L, H) final hidden states of a vision-language model on a right-padded microbatch with media.
+    """(B, L, H) final hidden states of a vision- or audio-language model on a microbatch with media.
 
-    The media tensors of the microbatch's rows are concatenated in row order (as ``collate_prompts``);
-    ``mm_token_type_ids`` is rebuilt from the placeholder ids (image 1, video 2) and positions are the
-    (3, B, L) M-RoPE ids of the model's ``get_rope_index``, so every real token gets the position it had
-    in the engine's left-padded prefill + decode.
+    The media tensors of the microbatch's rows are concatenated in row order (as ``collate_prompts``),
+    which is the order the model fills placeholders in (row-major over the batch).
+
+    - Qwen2-VL family: ``mm_token_type_ids`` is rebuilt from the placeholder ids (image 1, video 2) and
+      positions are the (3, B, L) M-RoPE ids of the model's ``get_rope_index``, so every real token gets the
+      position it had in the engine's left-padded prefill + decode. Right-padded rows only (no packing).
+    - Qwen2-Audio: the clips' ``input_features`` / ``feature_attention_mask`` go through the audio tower and
+      projector into the ``<|AUDIO|>`` positions; positions are the microbatch's 1-D ``position_ids``
+      (``cumsum(mask) - 1`` per sample, as in the engine), so packed rows work too: the packed samples'
+      placeholders appear in the row in the same order as their clips were concatenated (``sample_index``).
     """
-    from streamrft.models.vl import is_vl_model, mrope_position_ids
+    from streamrft.models.multimodal import model_kind
 
-    if not is_vl_model(model):
-        raise ValueError(f"{type(model).__name__}: the learner computes media log-probs for vision-language "
-                         "(Qwen2-VL family) models only; audio-language training is not wired yet")
+    kind = model_kind(model)
+    if kind == "audio":
+        return _audio_hidden(model, mb)
+    if kind != "vl":
+        raise ValueError(f"{type(model).__name__}: a microbatch with media tensors ({sorted(k for k in mb if k in _MEDIA_KEYS)}) "
+                         "needs a vision-language (Qwen2-VL family) or audio-language (Qwen2-Audio) model")
+    from streamrft.models.vl import mrope_position_ids
+
     input_ids_BL = mb["input_ids"]
     config = model.config
     types_BL = torch.zeros_like(input_ids_BL)
@@ -181,6 +192,27 @@ def multimodal_hidden(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> to
             inputs[key] = mb[key]
     position_ids = mrope_position_ids(model, inputs)
     return model.model(**inputs, position_ids=position_ids, use_cache=False).last_hidden_state
+
+
+def _audio_hidden(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Qwen2-Audio's base model on ids + clips (see ``multimodal_hidden``). A placeholder count that does
+    not match the clips' feature lengths is an error here, not a silent misalignment."""
+    if "feature_attention_mask" not in mb:
+        raise ValueError("a microbatch with input_features has no feature_attention_mask; the audio media tensors "
+                         "must come from the processor (streamrft.models.media_inputs.MediaCodec)")
+    tower = model.model.audio_tower
+    _, n_tokens_A = tower._get_feat_extract_output_lengths(mb["feature_attention_mask"].sum(-1))
+    n_placeholders = int((mb["input_ids"] == model.config.audio_token_id).sum())
+    if n_placeholders != int(n_tokens_A.sum()):
+        raise ValueError(f"the microbatch has {n_placeholders} <|AUDIO|> placeholders but its "
+                         f"{mb['input_features'].shape[0]} clips give {int(n_tokens_A.sum())} audio features; "
+                         "the media tensors do not belong to these rows")
+    return model.model(
+        input_ids=mb["input_ids"], input_features=mb["input_features"],
+        feature_attention_mask=mb["feature_attention_mask"],
+        attention_mask=attention_mask_for(model, mb["attention_mask"]), position_ids=mb["position_ids"],
+        use_cache=False,
+    ).last_hidden_state
 
 
 def attention_mask_for(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor | None:
