@@ -48,7 +48,8 @@ ASYNC_ENGINE_SHARE = 0.3
 def workload(tiny: bool) -> dict:
     if tiny:
         return dict(prompts=4, samples=2, prompt_len=8, new=6, vocab=512, micro_batch=4)
-    return dict(prompts=64, samples=8, prompt_len=256, new=512, vocab=151936, micro_batch=32)
+    # async on one GPU: the learner process has ~0.65 of the memory, so its micro-batch is half the colocated one
+    return dict(prompts=64, samples=8, prompt_len=256, new=512, vocab=151936, micro_batch=32, async_micro_batch=16)
 
 
 # ---------------------------------------------------------------- model + data ----------------------
@@ -101,7 +102,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         f"engine.static_cache={'true' if fast else 'false'}",
         f"engine.cuda_graphs={'true' if fast and cuda else 'false'}",
         f"rollout.prompts_per_step={wl['prompts']}", f"rollout.n_samples_per_prompt={wl['samples']}",
-        f"train.max_steps={steps}", "train.lr=1e-6", f"train.micro_batch_tokens={wl['micro_batch'] * (wl['prompt_len'] + wl['new'])}",
+        f"train.max_steps={steps}", "train.lr=1e-6", f"train.micro_batch_tokens={wl['async_micro_batch' if placement == 'async' and 'async_micro_batch' in wl else 'micro_batch'] * (wl['prompt_len'] + wl['new'])}",
         "algorithm.advantage_estimator=group_norm", "algorithm.policy_loss=ppo_clip", "algorithm.kl_coef=0.0",
         # one GPU with room for both phases: keep the optimizer state on the device (TRL does not offload either)
         *(["train.offload_between_phases=false"] if placement == "colocated" else []),
@@ -364,6 +365,10 @@ def main() -> None:
         if size not in built:
             t0 = time.perf_counter()
             build_model(size, wl, out, device)
+            if device == "cuda":  # the workers need the whole device: give back what building the model cached
+                import torch
+
+                torch.cuda.empty_cache()
             built.add(size)
             print(f"[{size}] model built in {time.perf_counter() - t0:.1f} s", flush=True)
         if True:
