@@ -20,6 +20,8 @@ class EnvConfig(Section):
     max_tokens: int = 1024  # token budget of an episode's whole response side (model + observation tokens)
     kwargs: dict[str, Any] = msgspec.field(default_factory=dict)  # keyword arguments of the environment class
     address: str = ""  # a remote environment service (streamrft serve-env, tcp://host:port); "" = in process
+    timeout_s: float = 30.0  # env.address only: per request to the service (reset, step, close)
+    retries: int = 3  # env.address only: retries of a request without a reply in time (same episode and turn)
 
 
 def validate_env(cfg) -> None:
@@ -49,10 +51,17 @@ def validate_env(cfg) -> None:
     if cfg.engine.type != "hf":
         raise ConfigError(f"env.name={e.name!r} needs engine.type=hf (token-in/token-out turns); engine.type="
                           f"{cfg.engine.type!r} is not supported for multi-turn rollouts yet")
+    if not e.address:
+        for key, default in (("timeout_s", 30.0), ("retries", 3)):
+            if getattr(e, key) != default:
+                raise ConfigError(f"env.{key}={getattr(e, key)!r} is set but env.address is empty (an in-process "
+                                  f"environment); env.{key} applies to requests to a serve-env service only")
     if e.address:
         if not e.address.startswith(("tcp://", "ipc://", "http://")):
             raise ConfigError(f"env.address={e.address!r} must be tcp://host:port, ipc://path or http://host:port "
                               "(a streamrft serve-env service), or empty for an in-process environment")
+        if not e.timeout_s > 0 or e.retries < 0:
+            raise ConfigError(f"env.timeout_s={e.timeout_s} must be > 0 and env.retries={e.retries} >= 0")
         return  # the service resolves the name; nothing to import here
     from streamrft.envs.base import EnvSpecError, load_environment
 

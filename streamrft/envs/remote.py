@@ -269,11 +269,15 @@ class RemoteEnvironment:
             pass
 
 
-def remote_environment_factory(address: str, env: str = "", timeout_s: float = 30.0, retries: int = 3,
-                               rank: int = 0) -> tuple[RemoteEnvClient, Any]:
-    """The client (close it at the end of the run) and the per-episode factory for ``env.address``."""
-    client = RemoteEnvClient(address, env, timeout_s, retries, rank)
-    return client, client.factory()
+def remote_environment_factory(env_cfg: Any, rank: int = 0):
+    """The per-episode factory for the config's ``env`` section when ``env.address`` is set (what
+    load_environment is for an in-process environment). One RemoteEnvClient per call, reachable as
+    ``factory.client`` (its counters; ``await factory.client.close()`` at the end of the run)."""
+    client = RemoteEnvClient(env_cfg.address, env_cfg.name, getattr(env_cfg, "timeout_s", 30.0),
+                             getattr(env_cfg, "retries", 3), rank)
+    factory = client.factory()
+    factory.client = client
+    return factory
 
 
 __all__ = ["EnvServiceError", "RemoteEnvClient", "RemoteEnvironment", "remote_environment_factory", "REASONS"]
