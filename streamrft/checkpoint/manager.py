@@ -21,6 +21,13 @@ and optimizer only change inside a train step, so on a signal the last completed
 even from the middle of the next rollout. Ranks first agree on that step (one all-reduce with
 ``checkpoint.signal_timeout_s``); when they cannot, nothing is saved and the message says why.
 
+Asynchronous saves (checkpoint.async_save; staging.py, background.py): the train step waits only while the
+model, optimizer and scheduler state is copied to reused host buffers; a background thread then writes the
+DCP shards (collectives on a gloo group of their own, so they never interleave with the training thread's),
+and rank 0 writes meta.json after the last shard write returned, which DCP returns only once every rank's
+shards are written and fsynced. At most one save is in flight; the next save, the end of the run and a
+signal save wait for it (checkpoint.save_timeout_s), and a failed write raises in the training thread.
+
 Robustness: the resume guard (guard.py) refuses a checkpoint of a run with other training settings; a
 checkpoint that does not load is skipped (renamed ``unloadable_step_*``) and the next newest is used;
 a save that fails for a full disk or a file-size limit says ENOSPC / EFBIG and the path.
@@ -43,6 +50,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamrft.checkpoint.background import BackgroundWriter, CheckpointSaveError
 from streamrft.checkpoint.guard import check_compatible, check_mode, write_config
 from streamrft.checkpoint.layout import (
     loadable_checkpoints,
@@ -57,7 +65,7 @@ from streamrft.checkpoint.layout import (
 )
 from streamrft.checkpoint.rng import rng_state, set_rng_state
 from streamrft.config.base import ConfigError
-from streamrft.config.checkpoint import validate_checkpoint
+from streamrft.config.checkpoint import async_save_enabled, validate_checkpoint
 
 
 @dataclass
@@ -85,6 +93,19 @@ class Checkpointer:
         self.summary_before: dict[str, float] = {}  # the "before" evaluation, kept in meta.json
         self.saved_step: int | None = None  # the step of the newest checkpoint on disk, as far as we know
         self._snapshot: _Snapshot | None = None
+        self._background: BackgroundWriter | None = None  # set when checkpoint.async_save is on
+        if async_save_enabled(cfg, dist.device.type):
+            self._background = BackgroundWriter(dist.rank, cfg.checkpoint.save_timeout_s)
+        self._stagers: dict[str, object] = {}  # per saved model: host buffers reused across async saves
+        self._group = None  # the gloo process group of the background writes (created at the first one)
+        self.stage_seconds: float | None = None  # how long the newest save blocked the training thread
+        # Test seam: called as write_hook(point, path) in the background write, point "shards" (before the
+        # shards) or "meta" (after every shard, before meta.json): a delay, an error or a crash injected here.
+        self.write_hook = None
+
+    @property
+    def async_save(self) -> bool:
+        return self._background is not None
 
     # ---- resume ----------------------------------------------------------------------------------------
     def resume(self, stateful: dict[str, object]) -> Resumed | None:
@@ -175,6 +196,8 @@ class Checkpointer:
         """Call right after train step ``step`` (1-based count of completed steps), before anything
         else changes state: snapshots per-rank state; saves every checkpoint.save_every steps and at
         train.max_steps. Returns the checkpoint folder when one was written."""
+        if self._background is not None:
+            self._background.check()  # a previous background write that failed ends the run here
         self._snapshot = _Snapshot(step, policy_version, self._rank_state())
         every = self.cfg.checkpoint.save_every
         if (every and step % every == 0) or step == self.cfg.train.max_steps:
@@ -200,9 +223,11 @@ class Checkpointer:
                       f"({int(-both[1])}..{int(both[0])})")
             return None
         if step < 1 or step == self.saved_step:
+            self.wait()  # saved_step may still be in flight
             return None if step < 1 else step_dir(self.cfg.output_dir, step)
         self.strategy.reshard_after_rollout()  # the signal may have come mid-rollout (no-op otherwise)
         path = self._save("signal")
+        self.wait()  # the process exits next: the signal's checkpoint must be complete first
         self._say(f"saved {path} on signal")
         return path
 
@@ -211,21 +236,88 @@ class Checkpointer:
         state["rng"] = rng_state()
         return state
 
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) is complete; raise its error. Every rank
+        calls this before the process ends (the final and the signal save)."""
+        if self._background is not None:
+            self._background.wait()
+
     def _save(self, reason: str) -> Path:
         snap = self._snapshot
         assert snap is not None
         path = step_dir(self.cfg.output_dir, snap.step)
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+        started = time.perf_counter()
+        if self._background is not None:
+            self._background.wait()  # one save in flight at most (and its error, if it failed, ends the run)
         try:
-            self._write(path, snap, reason)
+            if self._background is None:
+                self._write(path, snap, reason)
+            else:
+                self._stage_and_submit(path, snap, reason, started)
         except (Exception, CheckpointException) as exc:
             disk = write_failure(exc, path)
             if disk is None:
                 raise
             raise disk from exc
+        self.stage_seconds = time.perf_counter() - started
         self.saved_step = snap.step
         return path
+
+    def _stage_and_submit(self, path: Path, snap: _Snapshot, reason: str, started: float) -> None:
+        """The training thread's part of an async save: the rank file, then the state copied to host memory."""
+        path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(rank_file(path, self.dist.rank), snap.rank_state)
+        parts = {"": self.strategy, **self.models}
+        staged = {name: self._stager(name).stage(obj.state_for_save()) for name, obj in parts.items()}
+        group = self._checkpoint_group()
+        self._background.submit(path, lambda: self._write_staged(path, snap, reason, staged, group, started))
+
+    def _stager(self, name: str):
+        from streamrft.checkpoint.staging import HostStager
+
+        return self._stagers.setdefault(name, HostStager())
+
+    def _checkpoint_group(self):
+        """A gloo group for the background writes' collectives (DCP plans and gathers through it): on the
+        default group they could interleave with the training thread's collectives. Its timeout is
+        checkpoint.save_timeout_s. Created by every rank at the first async save (all ranks save together)."""
+        from datetime import timedelta
+
+        import torch.distributed as tdist
+
+        if self._group is None:
+            self._group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.checkpoint.save_timeout_s))
+        return self._group
+
+    def _write_staged(self, path: Path, snap: _Snapshot, reason: str, staged: dict, group, started: float) -> None:
+        """The background thread's part: every shard, then (rank 0) meta.json. Errors come out as
+        CheckpointSaveError / CheckpointWriteError naming the checkpoint and rank."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            self._hook("shards", path)
+            for name, state in staged.items():
+                # returns once every rank's shards are written and fsynced (DCP gathers the ranks' results)
+                dcp.save(state, checkpoint_id=str(path / name if name else path), process_group=group)
+            self._hook("meta", path)
+            if self.dist.rank == 0:
+                self._finish(path, snap, reason, started)
+        except (Exception, CheckpointException) as exc:
+            disk = write_failure(exc, path)
+            if disk is not None:
+                raise disk from exc
+            ranks = sorted(getattr(exc, "failures", {}) or [])
+            where = f"rank(s) {', '.join(map(str, ranks))}" if ranks else f"rank {self.dist.rank}"
+            raise CheckpointSaveError(
+                f"checkpoint {path}: the background write failed on {where}: {_reason(exc)}; it has no meta.json, "
+                "so the previous complete checkpoint stays the latest") from exc
+
+    def _hook(self, point: str, path: Path) -> None:
+        if self.write_hook is not None:
+            self.write_hook(point, path)
 
     def _write(self, path: Path, snap: _Snapshot, reason: str) -> None:
         rank = self.dist.rank
@@ -236,9 +328,13 @@ class Checkpointer:
         for name, model in self.models.items():
             model.save(str(path / name))
         if rank == 0:
-            self._write_hf_files(path / "hf")
-            write_config(path, self.cfg)
-            write_meta(path, {
+            self._finish(path, snap, reason, started)
+
+    def _finish(self, path: Path, snap: _Snapshot, reason: str, started: float) -> None:
+        """Rank 0, after every rank's shards: HF files, config, then meta.json (complete), then rotation."""
+        self._write_hf_files(path / "hf")
+        write_config(path, self.cfg)
+        write_meta(path, {
                 "step": snap.step,
                 "policy_version": snap.policy_version,
                 "world_size": self.dist.world_size,
@@ -250,10 +346,11 @@ class Checkpointer:
                 "lora_target_modules": list(self.cfg.model.lora_target_modules),
                 "models": sorted(self.models),
                 "summary_before": self.summary_before,
-                "save_seconds": time.perf_counter() - started,
-                "saved_at": time.time(),
-            })
-            rotate(self.cfg.output_dir, self.cfg.checkpoint.keep)
+            "save_seconds": time.perf_counter() - started,
+            "async_save": self._background is not None,
+            "saved_at": time.time(),
+        })
+        rotate(self.cfg.output_dir, self.cfg.checkpoint.keep)
 
     def _write_hf_files(self, path: Path) -> None:
         """The model's HF config and the tokenizer, so export needs nothing but the checkpoint."""

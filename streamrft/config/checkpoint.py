@@ -15,6 +15,13 @@ class CheckpointConfig(Section):
     # The old booleans still work: true = auto, false = never.
     resume: Union[Literal["auto", "never", "required"], bool] = "auto"
     signal_timeout_s: float = 30.0  # on SIGTERM: how long ranks wait for each other to agree on the step to save
+    # Write checkpoints in a background thread: the step continues once the state is copied to host memory;
+    # meta.json is still written last, after every rank's shards. auto = on for FSDP2 on a GPU, off otherwise
+    # (true works on CPU too; DeepSpeed writes its own checkpoints and refuses true).
+    async_save: Union[Literal["auto"], bool] = "auto"
+    # async saves: the longest a save waits for the previous one (and the run's end for the last one), and
+    # the timeout of the ranks' write collective; past it the run fails naming the checkpoint and rank.
+    save_timeout_s: float = 600.0
 
 
 def resume_mode(c: CheckpointConfig) -> str:
@@ -22,6 +29,13 @@ def resume_mode(c: CheckpointConfig) -> str:
     if isinstance(c.resume, bool):
         return "auto" if c.resume else "never"
     return c.resume
+
+
+def async_save_enabled(cfg, device_type: str) -> bool:
+    """checkpoint.async_save resolved for a run on ``device_type`` ("cuda" | "cpu")."""
+    if cfg.checkpoint.async_save == "auto":
+        return cfg.train.strategy == "fsdp2" and device_type == "cuda"
+    return bool(cfg.checkpoint.async_save)
 
 
 def validate_checkpoint(cfg) -> None:
@@ -33,3 +47,8 @@ def validate_checkpoint(cfg) -> None:
         raise ConfigError(f"checkpoint.keep={c.keep} must be >= 1 (the newest checkpoints kept)")
     if c.signal_timeout_s <= 0:
         raise ConfigError(f"checkpoint.signal_timeout_s={c.signal_timeout_s} must be > 0 seconds")
+    if c.save_timeout_s <= 0:
+        raise ConfigError(f"checkpoint.save_timeout_s={c.save_timeout_s} must be > 0 seconds")
+    if c.async_save is True and cfg.train.strategy == "deepspeed":
+        raise ConfigError("checkpoint.async_save=true needs train.strategy=fsdp2 (DeepSpeed writes its own "
+                          "checkpoints synchronously); set checkpoint.async_save=false or auto")

@@ -162,10 +162,13 @@ class Critic:
 
         move_module_and_optimizer(self.module, self.optimizer, device, self.device)
 
-    def save(self, path: str) -> None:
+    def state_for_save(self) -> dict:
+        """What ``save`` writes (views of the live state; checkpoint/staging.py copies it for async saves)."""
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()},
-                 checkpoint_id=path)
+        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def save(self, path: str) -> None:
+        dcp.save(self.state_for_save(), checkpoint_id=path)
 
     def load(self, path: str) -> None:
         if not os.path.isdir(path):

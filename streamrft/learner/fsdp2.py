@@ -280,11 +280,14 @@ class FSDP2Strategy:
         yield from bucketed(cast, bucket_bytes)
 
     # ---- checkpoints ---------------------------------------------------------------------------------
+    def state_for_save(self) -> dict:
+        """What ``save`` writes (views of the live state; checkpoint/staging.py copies it for async saves)."""
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+
     def save(self, path: str) -> None:
         """Sharded model + optimizer + scheduler state with torch.distributed.checkpoint (all ranks call)."""
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()},
-                 checkpoint_id=path)
+        dcp.save(self.state_for_save(), checkpoint_id=path)
 
     def load(self, path: str) -> None:
         """Restore what ``save`` wrote (all ranks call, same world size or resharded by DCP)."""

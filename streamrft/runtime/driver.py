@@ -53,7 +53,9 @@ async def train_loop(run) -> dict[str, float]:
         run.accounting.check(step)
         _check_failures(run, step, batch, progress)  # failed counts printed; too many stop the run
         run.pipeline.step_trained(step)
+        saving_started = time.perf_counter()
         run.checkpointer.step_done(step + 1, policy_version=step + 1)  # saves every checkpoint.save_every steps
+        stats["checkpoint_seconds"] = time.perf_counter() - saving_started  # async saves: the host copy only
         await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake, open the gate
         _step_stats(run, batch, stats, step_started)
         _log_step(run, step, stats, progress)
@@ -69,6 +71,7 @@ async def train_loop(run) -> dict[str, float]:
     if cfg.rollout.placement == "async" and run.dist.rank == 0:
         summary.update({f"async_{k}": v for k, v in phase.overlap_report().items()})
         phase.write_timeline(Path(cfg.output_dir) / "async_timeline.json")
+    run.checkpointer.wait()  # checkpoint.async_save: the final checkpoint is on disk (or its error raised) first
     return summary
 
 
