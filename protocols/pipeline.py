@@ -70,6 +70,16 @@ class Completion(Message, kw_only=True):
     tensors: list[TensorSpec] = []
     media: list[MediaRef] = []  # as PromptGroup.media: the learner re-decodes the prompt's media from these
     columns: dict[str, Any] = {}  # as PromptGroup.columns
+    # Multi-turn episodes (env.name set; docs/agents.md). turns=0: a single-turn sample, none of these apply.
+    # Otherwise the response is every turn after the prompt as one sequence, and a frame ``loss_mask`` uint8
+    # (response_len,) is 1 on the model's tokens (trained) and 0 on observation tokens (never trained).
+    turns: int = 0  # model turns
+    turn_starts: list[int] = []  # response offset of each model turn's first token
+    turn_rewards: list[float] = []  # the environment's reward per model turn (summed into the sample's reward)
+    observation_roles: list[str] = []  # chat role of each observation span, in order ("tool" | "user")
+    env_info: dict[str, float] = {}  # EnvStep.info summed over the episode: tool_calls, tool_errors, tool_seconds
+    tool_error_reasons: list[str] = []  # EnvStep.info["tool_error_reason"] of each failed tool call
+    error: str = ""  # non-empty: the sample failed before scoring (e.g. "env_error: ..."); it is counted, never trained
 
 
 class ScoredSample(Message, kw_only=True):
@@ -124,6 +134,11 @@ class TrajectoryRecord(Message, kw_only=True):
     media: list[MediaRef] = []  # the prompt's media by reference; [] = text-only
     token_versions: list[int] = []  # per response token: the policy version that sampled it
     learner_version: int = -1  # the learner version whose update trained this sample; -1 = not trained
+    # multi-turn episodes (Completion.turns > 0); [] for single-turn samples
+    loss_mask: list[int] = []  # per response token: 1 = the model's (trained), 0 = an observation's
+    turn_starts: list[int] = []  # response offset of each model turn's first token
+    turn_rewards: list[float] = []  # the environment's reward per model turn
+    observation_roles: list[str] = []  # chat role of each observation span ("tool" | "user")
 
 
 class Control(Message, kw_only=True):

@@ -165,4 +165,4 @@ def validate_config(cfg: Config, world_size: int = 1, check_paths: bool = True) 
     from streamrft.config.validate import validate_all
 
     validate_all(cfg, world_size, check_paths)
-    validate_env(cfg)  # imports the environment's module (user code) after the cheaper checks, before any model
+    validate_env(cfg, check_paths)  # imports the environment's module (user code) after the cheaper checks, before any model

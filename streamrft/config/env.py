@@ -24,7 +24,7 @@ class EnvConfig(Section):
     retries: int = 3  # env.address only: retries of a request without a reply in time (same episode and turn)
 
 
-def validate_env(cfg) -> None:
+def validate_env(cfg, check_paths: bool = True) -> None:
     """Settings of ``env`` that cannot run, checked before any model is loaded: the environment is resolved
     (name or module:Class imported, kwargs matched against its signature, one instance built) but no episode
     is started."""
@@ -51,6 +51,11 @@ def validate_env(cfg) -> None:
     if cfg.engine.type != "hf":
         raise ConfigError(f"env.name={e.name!r} needs engine.type=hf (token-in/token-out turns); engine.type="
                           f"{cfg.engine.type!r} is not supported for multi-turn rollouts yet")
+    if cfg.data.chat_template == "none":
+        raise ConfigError(f"env.name={e.name!r} renders observations with the chat template, but "
+                          "data.chat_template=none; set data.chat_template=auto (the tokenizer's) or to a Jinja file")
+    if check_paths and cfg.model.path:
+        _check_renderer(cfg)
     if not e.address:
         for key, default in (("timeout_s", 30.0), ("retries", 3)):
             if getattr(e, key) != default:
@@ -73,3 +78,21 @@ def validate_env(cfg) -> None:
         raise ConfigError(str(exc)) from None
     except Exception as exc:  # the module's own code failed while importing, or the class refused its kwargs
         raise ConfigError(f"env.name={e.name!r}: {type(exc).__name__}: {exc}") from None
+
+
+def _check_renderer(cfg) -> None:
+    """The chat template can render an observation message (role user) token-in/token-out: told now, from
+    the tokenizer files alone, not after the model is loaded."""
+    from streamrft.envs.render import ObservationRenderer
+    from streamrft.models.hub import resolve_model_dir
+
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model.path, "model.path"))
+    except (ValueError, OSError):  # a bad model path is reported by validate_model with its own message
+        return
+    try:
+        ObservationRenderer(tokenizer, cfg.data.chat_template).text("user", "", None)
+    except ValueError as exc:
+        raise ConfigError(f"env.name={cfg.env.name!r}, model.path={cfg.model.path}: {exc}") from None

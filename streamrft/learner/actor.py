@@ -21,6 +21,7 @@ from streamrft.algorithms import (
     pad_rows,
 )
 from streamrft.algorithms.filters import high_entropy_token_mask
+from streamrft.algorithms.turns import turn_end_indices, turn_token_rewards
 from streamrft.learner.microbatch import SequenceSample, make_microbatches, padding_microbatch
 from streamrft.learner.packing import make_packed_microbatches, n_sequences, rows_by_sample, scatter_by_sample
 from streamrft.runtime.distributed import all_reduce_max
@@ -89,7 +90,8 @@ class ActorUpdate:
                 tensors["advantages"] = s.advantages
             if s.teacher_logprobs is not None:
                 tensors["teacher_logprobs"] = s.teacher_logprobs
-            seqs.append(SequenceSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, tensors=tensors))
+            seqs.append(SequenceSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, tensors=tensors,
+                                       loss_mask=s.loss_mask))  # multi-turn: observation tokens out of every term
         pack = make_packed_microbatches if self.cfg.train.packing else make_microbatches
         mbs = pack(seqs, self.cfg.train.micro_batch_tokens) if seqs else []
         if any(s.header.completion.media for s in batch):
@@ -139,17 +141,26 @@ class ActorUpdate:
         n = len(batch)
         group_of: dict[str, int] = {}
         group_index = torch.tensor([group_of.setdefault(s.header.completion.group_id, len(group_of)) for s in batch])
-        rewards = torch.tensor([s.header.reward for s in batch], dtype=torch.float32)
+        # Multi-turn samples: the rows below are the model-token subsequence (response_mask holds the loss
+        # mask); per-turn rewards sit at each turn's last model token, the reward sources' part at the last
+        # (algorithms/turns.py). The running norm normalises that final part only.
+        final = [s.header.reward - s.header.reward_components.get("env_turns", 0.0) for s in batch]
+        rewards = torch.tensor(final, dtype=torch.float32)
         if self.reward_norm is not None:
             self.reward_norm.update(rewards, self.all_reduce_sum)
             rewards = self.reward_norm.normalize(rewards)
-        mask_rows = [torch.ones(len(s.response_ids)) for s in batch]
+        lengths = [_model_tokens(s) for s in batch]
+        mask_rows = [torch.ones(k) for k in lengths]
         _, mask_BT = pad_rows(mask_rows)
         token_rewards = None
         if self.kl_coef > 0 and self.algo.kl_mode == "reward":
             kl_rows = [k for k in _rows_from_microbatches(mbs, "kl_tokens", n)]
             kl_BT, _ = pad_rows(kl_rows)
             token_rewards = -self.kl_coef * kl_BT
+        turn_rows = [_turn_rewards(s, k) for s, k in zip(batch, lengths)]
+        if any(r is not None for r in turn_rows):
+            turn_BT, _ = pad_rows([r if r is not None else torch.zeros(k) for r, k in zip(turn_rows, lengths)])
+            token_rewards = turn_BT if token_rewards is None else token_rewards + turn_BT
         values_BT = None
         if self.estimator.needs_critic:
             values_BT, _ = pad_rows(_rows_from_microbatches(mbs, "old_values", n))
@@ -158,10 +169,10 @@ class ActorUpdate:
             self.algo,
             self.all_reduce_sum,
         )
-        rows = [out.advantages[i, : len(s.response_ids)] for i, s in enumerate(batch)]
+        rows = [out.advantages[i, :k] for i, k in enumerate(lengths)]
         _scatter_rows(mbs, "advantages", rows)
         if out.returns is not None and self.critic is not None:
-            _scatter_rows(mbs, "returns", [out.returns[i, : len(s.response_ids)] for i, s in enumerate(batch)])
+            _scatter_rows(mbs, "returns", [out.returns[i, :k] for i, k in enumerate(lengths)])
 
     def train_step(self, batch: list[TrainSample]) -> dict[str, float]:
         """One step over this rank's samples: returns metrics already reduced over all ranks."""
@@ -289,6 +300,19 @@ class ActorUpdate:
         if self.cfg.teacher.mode == "pure":
             return distill
         return mb["advantages"] + self.cfg.teacher.weight * distill
+
+
+def _model_tokens(s: TrainSample) -> int:
+    """Tokens the loss trains: the response, or a multi-turn sample's model tokens."""
+    return len(s.response_ids) if s.loss_mask is None else int(s.loss_mask.to(torch.int64).sum())
+
+
+def _turn_rewards(s: TrainSample, n_model: int) -> torch.Tensor | None:
+    """(n_model,) per-turn rewards at each turn's last model token; None for a single-turn sample."""
+    c = s.header.completion
+    if not c.turns or s.loss_mask is None:
+        return None
+    return turn_token_rewards(list(c.turn_rewards), turn_end_indices(list(c.turn_starts), s.loss_mask), n_model)
 
 
 def _split(items: list, parts: int) -> list[list]:

@@ -4,7 +4,9 @@ A microbatch dict holds
   input_ids      (B, L) int64, prompt + response, right-padded with 0
   attention_mask (B, L) int64, 1 on real tokens
   position_ids   (B, L) int64, 0..len-1 on real tokens, 0 on padding
-  response_mask  (B, L) float32, 1 at positions holding response tokens
+  response_mask  (B, L) float32, 1 at positions holding response tokens the loss trains: every response
+                 token, or for a multi-turn sample (``SequenceSample.loss_mask``) only the model's tokens, so
+                 observation tokens are outside every loss, KL, entropy, normaliser and critic term
   sample_index   (B,)   int64, index of each row in the input ``samples`` list
   <field>        (B, L) float32 for each per-response-token tensor: the value for response token j of a
                  sample sits at position prompt_len + j (the position of that token in input_ids), 0 elsewhere.
@@ -27,6 +29,9 @@ class SequenceSample:
     response_ids: list[int] | torch.Tensor
     # per-response-token values, each of shape (len(response_ids),): behaviour_logprobs, advantages, ...
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # (len(response_ids),) 0/1: 1 = a model token (trained); None = every response token. Per-sample values
+    # read back with packing.rows_by_sample cover the masked tokens only (the model-token subsequence).
+    loss_mask: torch.Tensor | None = None
 
 
 RESERVED_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "response_mask", "sample_index"})
@@ -51,6 +56,12 @@ def _validate(samples: list[SequenceSample], token_budget: int) -> None:
         if set(s.tensors) != keys:
             raise ValueError(f"sample {i} has tensor fields {sorted(s.tensors)} but sample 0 has {sorted(keys)}; "
                              "every sample must carry the same per-token fields")
+        if s.loss_mask is not None:
+            if s.loss_mask.dim() != 1 or s.loss_mask.shape[0] != len(s.response_ids):
+                raise ValueError(f"sample {i} loss_mask has shape {tuple(s.loss_mask.shape)}; expected "
+                                 f"({len(s.response_ids)},), one value per response token")
+            if not bool(s.loss_mask.bool().any()):
+                raise ValueError(f"sample {i} has no model token (its loss_mask is all 0); filter it out before microbatching")
         for name, t in s.tensors.items():
             if t.dim() != 1 or t.shape[0] != len(s.response_ids):
                 raise ValueError(f"sample {i} field '{name}' has shape {tuple(t.shape)}; expected "
@@ -95,7 +106,7 @@ def collate(samples: list[SequenceSample], indices: list[int]) -> dict[str, torc
         input_ids[b, : p + r] = torch.cat([_as_long(s.prompt_ids), _as_long(s.response_ids)])
         attention_mask[b, : p + r] = 1
         position_ids[b, : p + r] = torch.arange(p + r)
-        response_mask[b, p : p + r] = 1.0
+        response_mask[b, p : p + r] = 1.0 if s.loss_mask is None else s.loss_mask.to(torch.float32)
         for name, t in s.tensors.items():
             fields[name][b, p : p + r] = t.to(torch.float32)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,

@@ -5,7 +5,7 @@ A packed microbatch has the keys of ``microbatch.make_microbatches`` with B = 1 
   attention_mask (1, 1, L, L) bool, block-diagonal causal: token q may attend to token k iff both lie in
                  the same sequence and k <= q (a padding token attends only to itself, so no row is empty)
   position_ids   (1, L) int64, restarting at 0 at the start of every sequence (0 on padding)
-  response_mask  (1, L) float32, 1 at positions holding response tokens
+  response_mask  (1, L) float32, 1 at positions holding response tokens (the model's only, with a loss_mask)
   sample_index   (S,) int64, the samples of the row, in the order they were concatenated
   <field>        (1, L) float32, per-response-token values at the position of their token
 and one key more, ``seq_index`` (1, L) int64: the index (into ``samples``) of the sequence each token
@@ -94,7 +94,7 @@ def collate_packed(samples: list[SequenceSample], indices: list[int], pad_to: in
         end = start + p + r
         input_ids[0, start:end] = torch.cat([_as_long(s.prompt_ids), _as_long(s.response_ids)])
         position_ids[0, start:end] = torch.arange(p + r)
-        response_mask[0, start + p:end] = 1.0
+        response_mask[0, start + p:end] = 1.0 if s.loss_mask is None else s.loss_mask.to(torch.float32)
         seq_index[0, start:end] = idx
         for name, t in s.tensors.items():
             fields[name][0, start + p:end] = t.to(torch.float32)

@@ -33,6 +33,7 @@ class TrainSample:
     advantages: torch.Tensor | None  # (R,) float32; None = computed by the learner (batch scope)
     teacher_logprobs: torch.Tensor | None = None  # (R,) float32
     token_versions: torch.Tensor | None = None  # (R,) int64: the policy version that sampled each token
+    loss_mask: torch.Tensor | None = None  # (R,) uint8, multi-turn: 1 = model token, 0 = observation; None = all 1
 
     @property
     def oldest_version(self) -> int:
@@ -103,6 +104,7 @@ class LearnerFeed(Stage):
                 advantages=tensors.get("advantages"),
                 teacher_logprobs=tensors.get("teacher_logprobs"),
                 token_versions=tensors.get("token_versions"),
+                loss_mask=tensors.get("loss_mask"),
             )
         )
         return False

@@ -16,6 +16,14 @@ processor's (with the expanded placeholders), and the engine gets the decoded pr
 ``mm_inputs``. A row whose media is missing or corrupt fails its ``n_samples`` samples (counted under
 ``media_error`` with the message naming file, row and field) and the run goes on, or stops under
 ``fail_fast``. With no media field the text path is exactly as before.
+
+Multi-turn episodes (``env.name`` set; docs/agents.md): each sample is an episode driven by
+``streamrft.envs.episode.run_episode`` (model turn, ``env.step``, observation rendered with the chat
+template, ...); the Completion carries every turn after the prompt as one sequence with a ``loss_mask``
+frame and the turn metadata. The environment's optional reset text is appended to the prompt (a user
+message for message-list prompts, plain text otherwise), so it is never trained. An environment that
+raises fails its sample (counted under ``env_error``, named) and the run goes on, or stops under
+``fail_fast``; its ``close()`` always runs.
 """
 
 from __future__ import annotations
@@ -91,6 +99,27 @@ class Generator(Stage):
         self.mm_inputs: dict[str, dict] = {}  # group_id -> decoded processor inputs (in flight only)
         if cfg.data.image_field or cfg.data.video_field or cfg.data.audio_field:
             self._init_media()
+        self.env_factory = None  # a fresh Environment per episode; None = single-turn samples
+        self.prompts: dict[str, object] = {}  # group_id -> the row's prompt (text or messages), in flight only
+        if cfg.env.name:
+            self._init_env()
+
+    def _init_env(self) -> None:
+        from streamrft.envs.render import ObservationRenderer
+
+        if self.cfg.env.address:
+            from streamrft.envs.remote import remote_environment_factory  # owner C: the serve-env client
+
+            self.env_factory = remote_environment_factory(self.cfg.env)
+        else:
+            from streamrft.envs.base import load_environment
+
+            self.env_factory = load_environment(self.cfg.env.name, **self.cfg.env.kwargs)
+        self.renderer = ObservationRenderer(self.tokenizer, self.cfg.data.chat_template)
+        stops = set(self.cfg.engine.stop_token_ids)
+        if not self.cfg.engine.ignore_eos and self.tokenizer.eos_token_id is not None:
+            stops.add(self.tokenizer.eos_token_id)
+        self.stop_texts = {t: self.tokenizer.decode([t]) for t in stops}
 
     def _init_media(self) -> None:
         from streamrft.models.media_inputs import MediaCodec, load_processor
@@ -149,6 +178,8 @@ class Generator(Stage):
         )
         if inputs is not None:
             self.mm_inputs[group.group_id] = inputs
+        if self.env_factory is not None:
+            self.prompts[group.group_id] = row.prompt
         return group, torch.tensor(ids, dtype=torch.int64)
 
     def _admit(self, step: int, position: int, refill: int | None):
@@ -313,7 +344,36 @@ class Generator(Stage):
         for s in [s for s in self.steps if s <= step]:
             del self.steps[s]
 
+    def _completion(self, group: PromptGroup, j: int, sid: str, response_ids: list[int], finish_reason: str,
+                    policy_version: int, seconds: float, prompt_len: int, **episode) -> Completion:
+        return Completion(
+            sample_id=sid,
+            group_id=group.group_id,
+            step=group.step,
+            prompt_index=group.prompt_index,
+            sample_index=j,
+            prompt_text=episode.pop("prompt_text", group.prompt_text),
+            response_text=self.tokenizer.decode(response_ids, skip_special_tokens=True),
+            reference=group.reference,
+            label=group.label,
+            n_samples=group.n_samples,
+            finish_reason=finish_reason,
+            policy_version=policy_version,
+            prompt_len=prompt_len,
+            response_len=len(response_ids),
+            generate_seconds=seconds,
+            media=group.media,
+            columns=group.columns,
+            **episode,
+        )
+
+    async def _send(self, header: Completion, frames: dict) -> None:
+        async with self._send_lock:
+            await self.outbox.send(header, frames, timeout=self.ctx.stage_timeout_s)
+
     async def _generate(self, groups: list[tuple[PromptGroup, torch.Tensor]]) -> None:
+        if self.env_factory is not None:
+            return await self._generate_episodes(groups)
         requests, meta, mm = [], {}, {}
         for group, ids in groups:
             for j in range(group.n_samples):
@@ -333,33 +393,96 @@ class Generator(Stage):
             logprobs = torch.tensor(out.logprobs, dtype=torch.float32)
             versions = torch.tensor(out.token_versions or [out.policy_version] * len(out.response_ids), dtype=torch.int64)
             self.generated_tokens += len(out.response_ids)
-            header = Completion(
-                sample_id=out.request_id,
-                group_id=group.group_id,
-                step=group.step,
-                prompt_index=group.prompt_index,
-                sample_index=j,
-                prompt_text=group.prompt_text,
-                response_text=self.tokenizer.decode(out.response_ids, skip_special_tokens=True),
-                reference=group.reference,
-                label=group.label,
-                n_samples=group.n_samples,
-                finish_reason=out.finish_reason,
-                policy_version=out.policy_version,
-                prompt_len=group.prompt_len,
-                response_len=len(out.response_ids),
-                generate_seconds=out.seconds,
-                media=group.media,
-                columns=group.columns,
-            )
-            async with self._send_lock:
-                await self.outbox.send(
-                    header,
-                    {"prompt_ids": ids, "response_ids": response, "behaviour_logprobs": logprobs,
-                     "token_versions": versions},
-                    timeout=self.ctx.stage_timeout_s,
-                )
+            header = self._completion(group, j, out.request_id, out.response_ids, out.finish_reason,
+                                      out.policy_version, out.seconds, group.prompt_len)
+            await self._send(header, {"prompt_ids": ids, "response_ids": response, "behaviour_logprobs": logprobs,
+                                      "token_versions": versions})
         if meta:
             raise RuntimeError(f"generator rank {self.ctx.rank}: engine returned no output for {sorted(meta)[:3]}...")
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.stage_latency.labels(stage=self.name).observe(time.perf_counter() - started)
+
+    # ------------------------------------------------------------------ multi-turn episodes
+
+    def _episode_prompt(self, group: PromptGroup, ids: torch.Tensor, prompt, greeting: str | None) -> tuple[str, list[int]]:
+        """The sample's prompt: the group's, or with the environment's reset text appended (never trained)."""
+        if not greeting:
+            return group.prompt_text, ids.tolist()
+        d = self.cfg.data
+        if isinstance(prompt, (list, tuple)):
+            prompt = [*prompt, {"role": "user", "content": greeting}]
+        else:
+            prompt = f"{group.prompt_text}{greeting}"
+        text, new_ids = prompt_ids(self.tokenizer, prompt, d.chat_template, d.system_prompt,
+                                   f"{self.dataset.path}: row {group.data_row} (with the environment's reset text)")
+        return text, new_ids
+
+    async def _episode(self, group: PromptGroup, ids: torch.Tensor, prompt, j: int) -> None:
+        """One sample as an episode; an environment that raises fails the sample (``env_error``, counted by the
+        AdvantageStage like any failed sample), not the run."""
+        from streamrft.envs.episode import run_episode
+
+        e, sid = self.cfg.env, f"{group.group_id}-{j}"
+        env = None
+        try:
+            env = self.env_factory()
+            row = {**group.columns, "prompt": prompt, "reference": group.reference, "label": group.label,
+                   "data_row": group.data_row, "sample_id": sid}
+            greeting = await env.reset(row)
+            prompt_text, p_ids = self._episode_prompt(group, ids, prompt, greeting)
+            ep = await run_episode(env, self.engine, self.renderer, p_ids, sid,
+                                   (self.cfg.seed, group.step, group.prompt_index, j), e.max_turns, e.max_tokens,
+                                   self.cfg.engine.max_new_tokens, self.stop_texts)
+        except (asyncio.CancelledError, StageError):
+            raise
+        except Exception as exc:
+            if self.ctx.fail_fast:
+                raise StageError(f"stage generator on rank {self.ctx.rank}: sample {sid}: environment "
+                                 f"{e.name!r} failed: {type(exc).__name__}: {exc} (fail_fast: true)") from exc
+            log.warning("generator rank %d: sample %s failed in environment %r: %s: %s", self.ctx.rank, sid,
+                        e.name, type(exc).__name__, exc)
+            # sent on as a failed sample (Completion.error), so its group completes and it is counted once, downstream
+            empty = torch.zeros(0, dtype=torch.int64)
+            header = self._completion(group, j, sid, [], "error", self.engine.policy_version, 0.0, group.prompt_len,
+                                      error=f"env_error: environment {e.name!r}: {type(exc).__name__}: {exc}")
+            await self._send(header, {"prompt_ids": ids, "response_ids": empty,
+                                      "behaviour_logprobs": torch.zeros(0, dtype=torch.float32), "token_versions": empty})
+            return
+        finally:
+            if env is not None:
+                try:
+                    await env.close()
+                except Exception as exc:  # a failing close must not hide the episode's own outcome
+                    log.warning("generator rank %d: environment %r close() of %s raised %s: %s", self.ctx.rank,
+                                e.name, sid, type(exc).__name__, exc)
+        self.generated_tokens += int(sum(ep.loss_mask))
+        if self.ctx.metrics is not None and hasattr(self.ctx.metrics, "observe_episode"):
+            self.ctx.metrics.observe_episode(ep)
+        header = self._completion(
+            group, j, sid, ep.response_ids, ep.finish_reason, ep.policy_version, ep.seconds, len(p_ids),
+            prompt_text=prompt_text, turns=ep.turns, turn_starts=ep.turn_starts, turn_rewards=ep.turn_rewards,
+            observation_roles=ep.observation_roles, env_info=ep.info, tool_error_reasons=ep.tool_error_reasons)
+        await self._send(header, {
+            "prompt_ids": torch.tensor(p_ids, dtype=torch.int64),
+            "response_ids": torch.tensor(ep.response_ids, dtype=torch.int64),
+            "behaviour_logprobs": torch.tensor(ep.logprobs, dtype=torch.float32),
+            "token_versions": torch.tensor(ep.token_versions, dtype=torch.int64),
+            "loss_mask": torch.tensor(ep.loss_mask, dtype=torch.uint8),
+        })
+
+    async def _generate_episodes(self, groups: list[tuple[PromptGroup, torch.Tensor]]) -> None:
+        """Every sample of ``groups`` as a concurrent episode (each sends its own Completion when it ends)."""
+        started = time.perf_counter()
+        tasks = []
+        for group, ids in groups:
+            prompt = self.prompts.pop(group.group_id, group.prompt_text)
+            for j in range(group.n_samples):
+                tasks.append(asyncio.ensure_future(self._episode(group, ids, prompt, j)))
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
         if self.ctx.metrics is not None:
             self.ctx.metrics.stage_latency.labels(stage=self.name).observe(time.perf_counter() - started)

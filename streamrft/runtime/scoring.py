@@ -107,6 +107,10 @@ class RewardScorerStage(_ConcurrentStage):
 
     async def process(self, completion: Completion, tensors) -> None:
         started = time.perf_counter()
+        if completion.error:  # failed before scoring (an environment that raised): counted downstream, not scored
+            await self.outbox.send(ScoredSample(completion=completion, reward=0.0, status="failed",
+                                                fail_reason=completion.error), tensors, timeout=self.ctx.stage_timeout_s)
+            return
         item = RewardItem(
             sample_id=completion.sample_id,
             prompt=completion.prompt_text,
@@ -124,10 +128,17 @@ class RewardScorerStage(_ConcurrentStage):
             raise StageError(
                 f"stage reward on rank {self.ctx.rank}: sample {completion.sample_id} failed: {error} (fail_fast: true)"
             )
+        components = {k: float(v) for k, v in outcome.components.items()}
+        reward = 0.0 if error else float(outcome.reward)
+        if completion.turns and not error:
+            # multi-turn: the environment's per-turn rewards add to the reward sources' final reward
+            # (docs/agents.md; batch estimators credit each at its turn's last model token instead)
+            components["env_turns"] = float(sum(completion.turn_rewards))
+            reward += components["env_turns"]
         scored = ScoredSample(
             completion=completion,
-            reward=0.0 if error else float(outcome.reward),
-            reward_components={k: float(v) for k, v in outcome.components.items()},
+            reward=reward,
+            reward_components=components,
             status="failed" if error else "ok",
             fail_reason=f"reward: {error}" if error else "",
             score_seconds=time.perf_counter() - started,

@@ -6,10 +6,22 @@ from protocols import TrajectoryRecord
 
 
 def _record(run, step: int, header, prompt_ids, response_ids, behaviour_logprobs, advantage: float, status: str,
-            reason: str, policy_logprobs=None, entropy=None, token_versions=None, learner_version: int = -1):
+            reason: str, policy_logprobs=None, entropy=None, token_versions=None, learner_version: int = -1,
+            loss_mask=None):
     """``entropy``: the learner's full-distribution entropy per response token when it trained the
-    sample; otherwise the sampled token's surprisal (−behaviour log-prob), an estimate of it."""
+    sample; otherwise the sampled token's surprisal (−behaviour log-prob), an estimate of it.
+    ``loss_mask`` (multi-turn): the learner's values cover the model tokens only; they are spread back
+    over the response (0 at observation tokens), so every per-token list has one value per response token."""
     c = header.completion
+    if loss_mask is not None:
+        from streamrft.algorithms.turns import expand_to_response
+
+        if policy_logprobs is not None:
+            policy_logprobs = expand_to_response(policy_logprobs, loss_mask)
+        if entropy is not None:
+            entropy = expand_to_response(entropy, loss_mask)
+        else:
+            entropy = -behaviour_logprobs * loss_mask.to(behaviour_logprobs.dtype)
     return TrajectoryRecord(
         run_id=run.run_id,
         rank=run.dist.rank,
@@ -34,6 +46,10 @@ def _record(run, step: int, header, prompt_ids, response_ids, behaviour_logprobs
         media=list(c.media),
         token_versions=token_versions.tolist() if token_versions is not None else [c.policy_version] * len(response_ids),
         learner_version=learner_version,
+        loss_mask=loss_mask.to(int).tolist() if loss_mask is not None else [],
+        turn_starts=list(c.turn_starts),
+        turn_rewards=list(c.turn_rewards),
+        observation_roles=list(c.observation_roles),
     )
 
 
@@ -47,11 +63,13 @@ def trajectory_records(run, step: int, batch, dropped=()) -> list[TrajectoryReco
         lp = policy[i] if i < len(policy) else None
         ent = entropy[i] if i < len(entropy) else None
         records.append(_record(run, step, s.header, s.prompt_ids, s.response_ids, s.behaviour_logprobs, adv,
-                               "trained", "", lp, ent, s.token_versions, batch.learner_version))
+                               "trained", "", lp, ent, s.token_versions, batch.learner_version, s.loss_mask))
     for header, tensors, status, reason in dropped:
         records.append(_record(run, step, header, tensors["prompt_ids"], tensors["response_ids"],
-                               tensors["behaviour_logprobs"], 0.0, status, reason, token_versions=tensors.get("token_versions")))
+                               tensors["behaviour_logprobs"], 0.0, status, reason, token_versions=tensors.get("token_versions"),
+                               loss_mask=tensors.get("loss_mask")))
     for s in batch.stale:
         records.append(_record(run, step, s.header, s.prompt_ids, s.response_ids, s.behaviour_logprobs, 0.0,
-                               "filtered", "stale", token_versions=s.token_versions, learner_version=batch.learner_version))
+                               "filtered", "stale", token_versions=s.token_versions, learner_version=batch.learner_version,
+                               loss_mask=s.loss_mask))
     return records

@@ -1,0 +1,122 @@
+"""One episode: model turns and environment turns alternating, as one token sequence with a loss mask.
+
+    context = prompt ids
+    for turn k = 0 .. env.max_turns - 1:
+        model turn: engine.generate(context, seed(run seed, step, prompt, sample, k), max_new_tokens =
+                    min(engine.max_new_tokens, budget left)); ends on a stop token / EOS or its limit
+        step      = await env.step(decoded model turn)
+        stop if step.done, the budget (env.max_tokens) is spent, or this was the last allowed turn
+        observation ids = ObservationRenderer.ids(step.role, step.observation, stop token sampled)
+        context += model ids + observation ids (observation cut to the budget left)
+
+The response is every id after the prompt; ``loss_mask`` is 1 on the model's ids and 0 on observation
+ids; behaviour log-probs and token versions exist for model ids (observation positions hold 0 and, for
+versions, the version of the model token before them). ``turn_starts[k]`` is the response offset of
+model turn k's first id and ``turn_rewards[k]`` the environment's reward for it. An episode cut by the
+budget or by max_turns ends with finish_reason "length"; one the environment ends, with the model
+turn's own reason ("stop").
+
+Turn 0 is seeded exactly as a single-turn sample (``sample_seed(seed, step, prompt, sample)``), later
+turns by ``turn_seed``: a sample's episode does not depend on batch composition or on the number of ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+from streamrft.engines.base import GenerationRequest
+from streamrft.engines.sampling import sample_seed
+from streamrft.envs.base import OBSERVATION_ROLES, EnvStep
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def turn_seed(run_seed: int, step: int, prompt_index: int, sample_index: int, turn: int) -> int:
+    """Seed of model turn ``turn``: the single-turn sample seed for turn 0, blake2b over the five integers after."""
+    if turn == 0:
+        return sample_seed(run_seed, step, prompt_index, sample_index)
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt_index}:{sample_index}:turn{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
+
+
+@dataclass
+class Episode:
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # 0.0 at observation ids
+    loss_mask: list[int] = field(default_factory=list)  # 1 = model id (trained), 0 = observation id
+    token_versions: list[int] = field(default_factory=list)
+    turn_starts: list[int] = field(default_factory=list)  # response offset of each model turn's first id
+    turn_rewards: list[float] = field(default_factory=list)  # the environment's reward per model turn
+    observation_roles: list[str] = field(default_factory=list)  # role of each observation span, in order
+    finish_reason: str = "stop"
+    policy_version: int = 0  # the version of the episode's first token
+    info: dict[str, float] = field(default_factory=dict)  # summed numeric EnvStep.info (tool_calls, ...)
+    tool_error_reasons: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_starts)
+
+
+def _add_info(episode: Episode, step: EnvStep) -> None:
+    for key, value in step.info.items():
+        if key == "tool_error_reason":
+            if value:
+                episode.tool_error_reasons.append(str(value))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            episode.info[key] = episode.info.get(key, 0.0) + float(value)
+
+
+async def run_episode(env, engine, renderer, prompt_ids: list[int], request_id: str, seeds: tuple[int, int, int, int],
+                      max_turns: int, max_tokens: int, max_new_tokens: int, stop_texts: dict[int, str]) -> Episode:
+    """Drive ``env`` (already reset) with ``engine`` from ``prompt_ids``; see the module docstring.
+    ``seeds`` = (run seed, step, prompt index, sample index); ``stop_texts``: stop token id -> its text."""
+    started = time.perf_counter()
+    ep = Episode()
+    context = list(prompt_ids)
+    for turn in range(max_turns):
+        budget = max_tokens - len(ep.response_ids)
+        request = GenerationRequest(request_id=f"{request_id}-t{turn}", prompt_ids=context,
+                                    seed=turn_seed(*seeds, turn), max_new_tokens=min(max_new_tokens, budget))
+        outs = await engine.generate_all([request])
+        out = outs[0]
+        if turn == 0:
+            ep.policy_version = out.policy_version
+        ep.turn_starts.append(len(ep.response_ids))
+        ep.response_ids += out.response_ids
+        ep.logprobs += list(out.logprobs)
+        ep.loss_mask += [1] * len(out.response_ids)
+        ep.token_versions += list(out.token_versions or [out.policy_version] * len(out.response_ids))
+        ep.finish_reason = out.finish_reason
+        text = renderer.tokenizer.decode(out.response_ids, skip_special_tokens=True)
+        step = await env.step(text)
+        if not isinstance(step, EnvStep):
+            raise TypeError(f"environment {type(env).__name__}.step returned {type(step).__name__}, not an EnvStep")
+        ep.turn_rewards.append(float(step.reward))
+        _add_info(ep, step)
+        budget = max_tokens - len(ep.response_ids)
+        if step.done or step.observation is None:
+            break
+        if turn == max_turns - 1 or budget <= 0:
+            ep.finish_reason = "length"  # the episode was cut, not ended by the environment
+            break
+        if step.role not in OBSERVATION_ROLES:
+            raise ValueError(f"environment {type(env).__name__}.step answered role {step.role!r}; expected one of "
+                             f"{list(OBSERVATION_ROLES)}")
+        last = out.response_ids[-1] if out.response_ids and out.finish_reason == "stop" else None
+        obs = renderer.ids(step.role, step.observation, stop_texts.get(last) if last is not None else None)
+        if len(obs) >= budget:  # no room left for another model turn after it
+            ep.finish_reason = "length"
+            break
+        ep.observation_roles.append(step.role)
+        version = ep.token_versions[-1] if ep.token_versions else out.policy_version
+        ep.response_ids += obs
+        ep.logprobs += [0.0] * len(obs)
+        ep.loss_mask += [0] * len(obs)
+        ep.token_versions += [version] * len(obs)
+        context = list(prompt_ids) + ep.response_ids
+    ep.seconds = time.perf_counter() - started
+    return ep
