@@ -93,6 +93,6 @@ def _check_renderer(cfg) -> None:
     except (ValueError, OSError):  # a bad model path is reported by validate_model with its own message
         return
     try:
-        ObservationRenderer(tokenizer, cfg.data.chat_template).text("user", "", None)
+        ObservationRenderer(tokenizer, cfg.data.chat_template).check("user")
     except ValueError as exc:
         raise ConfigError(f"env.name={cfg.env.name!r}, model.path={cfg.model.path}: {exc}") from None

@@ -71,9 +71,9 @@ def _add_info(episode: Episode, step: EnvStep) -> None:
 
 
 async def run_episode(env, engine, renderer, prompt_ids: list[int], request_id: str, seeds: tuple[int, int, int, int],
-                      max_turns: int, max_tokens: int, max_new_tokens: int, stop_texts: dict[int, str]) -> Episode:
+                      max_turns: int, max_tokens: int, max_new_tokens: int) -> Episode:
     """Drive ``env`` (already reset) with ``engine`` from ``prompt_ids``; see the module docstring.
-    ``seeds`` = (run seed, step, prompt index, sample index); ``stop_texts``: stop token id -> its text."""
+    ``seeds`` = (run seed, step, prompt index, sample index)."""
     started = time.perf_counter()
     ep = Episode()
     context = list(prompt_ids)
@@ -106,8 +106,7 @@ async def run_episode(env, engine, renderer, prompt_ids: list[int], request_id: 
         if step.role not in OBSERVATION_ROLES:
             raise ValueError(f"environment {type(env).__name__}.step answered role {step.role!r}; expected one of "
                              f"{list(OBSERVATION_ROLES)}")
-        last = out.response_ids[-1] if out.response_ids and out.finish_reason == "stop" else None
-        obs = renderer.ids(step.role, step.observation, stop_texts.get(last) if last is not None else None)
+        obs = renderer.ids(step.role, step.observation, list(prompt_ids) + ep.response_ids)
         if len(obs) >= budget:  # no room left for another model turn after it
             ep.finish_reason = "length"
             break

@@ -110,16 +110,12 @@ class Generator(Stage):
         if self.cfg.env.address:
             from streamrft.envs.remote import remote_environment_factory  # owner C: the serve-env client
 
-            self.env_factory = remote_environment_factory(self.cfg.env)
+            self.env_factory = remote_environment_factory(self.cfg.env, self.ctx.rank)
         else:
             from streamrft.envs.base import load_environment
 
             self.env_factory = load_environment(self.cfg.env.name, **self.cfg.env.kwargs)
         self.renderer = ObservationRenderer(self.tokenizer, self.cfg.data.chat_template)
-        stops = set(self.cfg.engine.stop_token_ids)
-        if not self.cfg.engine.ignore_eos and self.tokenizer.eos_token_id is not None:
-            stops.add(self.tokenizer.eos_token_id)
-        self.stop_texts = {t: self.tokenizer.decode([t]) for t in stops}
 
     def _init_media(self) -> None:
         from streamrft.models.media_inputs import MediaCodec, load_processor
@@ -432,7 +428,7 @@ class Generator(Stage):
             prompt_text, p_ids = self._episode_prompt(group, ids, prompt, greeting)
             ep = await run_episode(env, self.engine, self.renderer, p_ids, sid,
                                    (self.cfg.seed, group.step, group.prompt_index, j), e.max_turns, e.max_tokens,
-                                   self.cfg.engine.max_new_tokens, self.stop_texts)
+                                   self.cfg.engine.max_new_tokens)
         except (asyncio.CancelledError, StageError):
             raise
         except Exception as exc:
