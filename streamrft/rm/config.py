@@ -25,6 +25,12 @@ class RMDataConfig(Section):
     train_path: str = ""  # jsonl/parquet: prompt, chosen, rejected[, margin, tie] (SRM); prompt, responses, judgment (GRM)
     eval_path: str = ""  # held-out rows of the same shape; "" = hold out eval_fraction of train_path
     eval_fraction: float = 0.1  # share of train rows held out when eval_path is ""
+    # media of each row, by path (as the RL data keys; a Qwen2-VL / Qwen2-Audio model.path reads them with the prompt)
+    image_field: str = ""  # row field with image(s): path, bytes, base64 data URI or list of them; "" = none
+    video_field: str = ""  # row field with a video: list of frame images or a video file (PyAV); "" = none
+    audio_field: str = ""  # row field with audio clip(s): wav/flac path(s); "" = none
+    max_video_frames: int = 16  # videos keep this many evenly spaced frames; 0 = all
+    video_fps: float = 0.0  # video files are sampled at this many frames per second first; 0 = every frame
 
 
 class RMTrainSection(Section):
@@ -54,6 +60,33 @@ class RMTrainConfig(Section):
     data: RMDataConfig = msgspec.field(default_factory=RMDataConfig)
     train: RMTrainSection = msgspec.field(default_factory=RMTrainSection)
     grm: GRMConfig = msgspec.field(default_factory=GRMConfig)
+
+
+def media_fields(data) -> dict:
+    """The media settings of an RM data section (or of a saved RM's rm.json "media" entry): what ``rm.json``
+    records so that eval-rm, ``type: model`` rewards and serve-reward read rows and items the same way."""
+    keys = ("image_field", "video_field", "audio_field", "max_video_frames", "video_fps")
+    return {k: (data.get(k) if isinstance(data, dict) else getattr(data, k)) for k in keys}
+
+
+def check_media_backbone(model_dir: str, data) -> None:
+    """ConfigError when the media fields do not fit the backbone: images/videos need a Qwen2-VL model,
+    audio a Qwen2-Audio model, and a multimodal backbone needs its media field (reads config.json only)."""
+    from transformers import AutoConfig
+
+    model_type = getattr(AutoConfig.from_pretrained(model_dir), "model_type", "")
+    visual = [f"data.{k}={getattr(data, k)!r}" for k in ("image_field", "video_field") if getattr(data, k)]
+    audio = [f"data.audio_field={data.audio_field!r}"] if data.audio_field else []
+    if visual and model_type != "qwen2_vl":
+        raise ConfigError(f"{', '.join(visual)} needs a vision-language backbone (Qwen2-VL), but model.path="
+                          f"{model_dir} is a {model_type!r} model; set model.path to a Qwen2-VL directory or clear the field")
+    if audio and model_type != "qwen2_audio":
+        raise ConfigError(f"{audio[0]} needs an audio-language backbone (Qwen2-Audio), but model.path={model_dir} "
+                          f"is a {model_type!r} model; set model.path to a Qwen2-Audio directory or clear the field")
+    if model_type in ("qwen2_vl", "qwen2_audio") and not (visual or audio):
+        need = "data.image_field or data.video_field" if model_type == "qwen2_vl" else "data.audio_field"
+        raise ConfigError(f"model.path={model_dir} is a {model_type} model but no media field is set; set {need} "
+                          "(the row field that holds each prompt's media)")
 
 
 def load_rm_config(path: str | Path | None, overrides: list[str] | None = None) -> RMTrainConfig:
@@ -94,13 +127,21 @@ def validate_rm_config(cfg: RMTrainConfig, check_paths: bool = True) -> None:
     for key in ("{prompt}", "{a}", "{b}"):
         if key not in cfg.grm.template:
             raise ConfigError(f"grm.template={cfg.grm.template!r} lacks {key}")
+    d = cfg.data
+    media_keys = [f"data.{k}={getattr(d, k)!r}" for k in ("image_field", "video_field", "audio_field") if getattr(d, k)]
+    if d.max_video_frames < 0 or d.video_fps < 0:
+        raise ConfigError(f"data.max_video_frames={d.max_video_frames} and data.video_fps={d.video_fps} must be >= 0")
+    if media_keys and t.lm_coef > 0:
+        raise ConfigError(f"train.lm_coef={t.lm_coef} applies to text backbones only; with {', '.join(media_keys)} "
+                          "set train.lm_coef=0")
     if check_paths:
         from streamrft.models.hub import resolve_model_dir
 
         try:
-            resolve_model_dir(cfg.model.path, "model.path")  # a directory or a cached hub id
+            model_dir = resolve_model_dir(cfg.model.path, "model.path")  # a directory or a cached hub id
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        check_media_backbone(model_dir, d)
         for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
             if value and not Path(value).is_file():
                 raise ConfigError(f"{key}={value} does not exist (relative to {Path.cwd()})")

@@ -9,7 +9,15 @@ embedding output, -1 the last layer), the pooled vector is
 and the heads give r_k = u_k . v + c_k (k < num_heads). The reward is mean_k r_k.
 
 A saved RM directory holds the backbone (``save_pretrained``, without the LM head), the tokenizer,
-``rm_heads.safetensors`` and ``rm.json`` (``{"kind": "srm", "layer", "pooling", "num_heads"}``).
+``rm_heads.safetensors`` and ``rm.json`` (``{"kind": "srm", "layer", "pooling", "num_heads", "media"}``).
+
+Media (images, videos, audio): with media fields set (``media``, see streamrft.rm.config.media_fields) the
+backbone is a Qwen2-VL or Qwen2-Audio model (its whole ``...ForConditionalGeneration``, vision / audio
+tower included, saved with its processor) and each sequence is the prompt's media placeholders + prompt +
+response + eos, built from the pair's ``MediaRef``s by :class:`streamrft.models.media_inputs.MediaCodec`
+(the same decoding as the RL runtime: hash-checked files, video sampling by ``max_video_frames`` /
+``video_fps``). Batches are left-padded (the processor's layout); ``last`` pooling still reads the last
+non-pad position. h^(l) are the language model's hidden states, so ``layer`` counts text layers.
 """
 
 from __future__ import annotations
@@ -35,13 +43,52 @@ def rm_kind(path: str | Path) -> str:
     return json.loads(meta.read_text())["kind"]
 
 
+def has_media(media: dict | None) -> bool:
+    return bool(media) and any(media.get(k) for k in ("image_field", "video_field", "audio_field"))
+
+
+class MediaInputs:
+    """Model inputs of (prompt, response, media refs) rows for a multimodal RM: one sequence per row
+    (``prompt + response + eos`` with the media's placeholders), collated left-padded. Decoded rows are
+    cached (bounded, first in first out): a training run revisits the same pairs every epoch."""
+
+    CACHE_ROWS = 4096
+
+    def __init__(self, processor, media: dict) -> None:
+        from streamrft.models.media_inputs import MediaCodec
+
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.codec = MediaCodec(processor, media.get("image_field") or "", media.get("video_field") or "",
+                                media.get("audio_field") or "", max_video_frames=int(media.get("max_video_frames") or 0),
+                                video_fps=float(media.get("video_fps") or 0.0))
+        self._cache: dict[tuple, dict] = {}
+
+    def row(self, text: str, refs: Sequence, loc: str) -> dict[str, torch.Tensor]:
+        key = (text, tuple((r.path, r.sha256, r.kind, r.group) for r in refs))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self.codec.inputs(text, list(refs), loc)
+            if len(self._cache) >= self.CACHE_ROWS:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = hit
+        return hit
+
+    def batch(self, texts: Sequence[str], media: Sequence[Sequence], locs: Sequence[str]) -> dict[str, torch.Tensor]:
+        from streamrft.models.multimodal import collate_prompts
+
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return collate_prompts([self.row(t, m, loc) for t, m, loc in zip(texts, media, locs, strict=True)], pad)
+
+
 class ScalarRewardModel(torch.nn.Module):
     def __init__(self, backbone: torch.nn.Module, tokenizer, layer: int = -1, pooling: str = "last",
-                 num_heads: int = 1) -> None:
+                 num_heads: int = 1, processor=None, media: dict | None = None) -> None:
         super().__init__()
         if pooling not in ("last", "attention"):
             raise ValueError(f"pooling={pooling!r} must be 'last' or 'attention' (model.pooling)")
-        n_states = backbone.config.num_hidden_layers + 1
+        text_config = backbone.config.get_text_config()
+        n_states = text_config.num_hidden_layers + 1
         if not -n_states <= layer < n_states:
             raise ValueError(f"layer={layer} is out of range for a backbone with {n_states} hidden states "
                              f"(0 = embeddings .. {n_states - 1}, or negative from the end); set model.layer")
@@ -49,7 +96,10 @@ class ScalarRewardModel(torch.nn.Module):
         self.tokenizer = tokenizer
         self.layer = layer
         self.pooling = pooling
-        hidden = backbone.config.hidden_size
+        self.processor = processor
+        self.media = dict(media) if has_media(media) else None
+        self.media_inputs = MediaInputs(processor, self.media) if self.media else None
+        hidden = text_config.hidden_size
         self.heads = torch.nn.Linear(hidden, num_heads)
         torch.nn.init.normal_(self.heads.weight, std=1.0 / hidden ** 0.5)
         torch.nn.init.zeros_(self.heads.bias)
@@ -61,8 +111,17 @@ class ScalarRewardModel(torch.nn.Module):
 
     @classmethod
     def from_backbone(cls, path: str, layer: int = -1, pooling: str = "last", num_heads: int = 1,
-                      dtype: torch.dtype = torch.float32) -> "ScalarRewardModel":
-        """A fresh RM on a Hugging Face causal LM directory (the LM head is dropped)."""
+                      dtype: torch.dtype = torch.float32, media: dict | None = None) -> "ScalarRewardModel":
+        """A fresh RM on a Hugging Face causal LM directory (the LM head is dropped), or with ``media`` on a
+        Qwen2-VL / Qwen2-Audio directory (the whole model and its processor)."""
+        if has_media(media):
+            from streamrft.models.multimodal import load_multimodal_policy
+
+            backbone, processor, kind = load_multimodal_policy(path, dtype=dtype)
+            if kind == "text":
+                raise ValueError(f"{path} is a text-only model but the RM reads media ({media}); give a Qwen2-VL "
+                                 "or Qwen2-Audio model.path")
+            return cls(backbone, processor.tokenizer, layer, pooling, num_heads, processor, media)
         backbone = AutoModel.from_pretrained(path, dtype=dtype)
         return cls(backbone, AutoTokenizer.from_pretrained(path), layer, pooling, num_heads)
 
@@ -75,7 +134,7 @@ class ScalarRewardModel(torch.nn.Module):
             raise ValueError(f"{path} holds a {kind!r} reward model, not a scalar one ('srm'); "
                              "load it with streamrft.rm.judge.GenerativeJudge.from_pretrained")
         meta = json.loads((Path(path) / RM_META).read_text())
-        model = cls.from_backbone(str(path), meta["layer"], meta["pooling"], meta["num_heads"], dtype)
+        model = cls.from_backbone(str(path), meta["layer"], meta["pooling"], meta["num_heads"], dtype, meta.get("media"))
         model.load_state_dict(load_file(str(Path(path) / HEADS_FILE)), strict=False)
         return model.to(device).eval()
 
@@ -83,10 +142,11 @@ class ScalarRewardModel(torch.nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.backbone.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        (self.processor or self.tokenizer).save_pretrained(path)
         own = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if not k.startswith("backbone.")}
         save_file(own, str(path / HEADS_FILE))
-        meta = {"kind": "srm", "layer": self.layer, "pooling": self.pooling, "num_heads": self.num_heads}
+        meta = {"kind": "srm", "layer": self.layer, "pooling": self.pooling, "num_heads": self.num_heads,
+                "media": self.media}
         (path / RM_META).write_text(json.dumps(meta))
 
     def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,9 +165,22 @@ class ScalarRewardModel(torch.nn.Module):
             mask_BL[i, : len(s)] = 1
         return ids_BL, mask_BL
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def batch_inputs(self, prompts: Sequence[str], responses: Sequence[str],
+                     media: Sequence[Sequence] | None = None) -> dict[str, torch.Tensor]:
+        """The model inputs of (prompt, response[, media refs]) rows: ``encode``'s ids and mask for a text RM;
+        for a media RM the collated processor inputs (placeholders, pixel / audio features)."""
+        if self.media_inputs is None:
+            ids_BL, mask_BL = self.encode(prompts, responses)
+            return {"input_ids": ids_BL, "attention_mask": mask_BL}
+        if media is None or len(media) != len(prompts):
+            raise ValueError(f"this reward model reads media ({self.media}); give one list of media refs per row")
+        eos = self.tokenizer.eos_token or ""
+        texts = [p + r + eos for p, r in zip(prompts, responses, strict=True)]
+        return self.media_inputs.batch(texts, media, [f"prompt {p[:40]!r}" for p in prompts])
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: torch.Tensor) -> torch.Tensor:
         """Per-head rewards (B, H)."""
-        return self.rewards_and_states(input_ids, attention_mask)[0]
+        return self.rewards_and_states(input_ids, attention_mask, **media)[0]
 
     def lm_logits(self, last_BLD: torch.Tensor) -> torch.Tensor:
         """Next-token logits (B, L, V) from the backbone's final (normed) states through the tied
@@ -117,9 +190,20 @@ class ScalarRewardModel(torch.nn.Module):
                              "head: set train.lm_coef=0")
         return last_BLD @ self.backbone.get_input_embeddings().weight.T
 
-    def rewards_and_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-head rewards (B, H), the backbone's final normed hidden states (B, L, D))."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    def rewards_and_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           **media: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-head rewards (B, H), the backbone's final hidden states (B, L, D)); ``media`` are the
+        processor's tensors (pixel_values, image_grid_thw, mm_token_type_ids, input_features ...)."""
+        if self.media is None:
+            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+            last_BLD = out.last_hidden_state
+        else:
+            from streamrft.models.multimodal import forward_kwargs
+
+            # explicit positions (M-RoPE for Qwen2-VL, cumsum(mask) - 1 otherwise): rows are left-padded
+            kwargs = forward_kwargs(self.backbone, {"input_ids": input_ids, "attention_mask": attention_mask, **media})
+            out = self.backbone(**kwargs, output_hidden_states=True, use_cache=False)
+            last_BLD = out.hidden_states[-1]
         h_BLD = out.hidden_states[self.layer]
         mask_BL = attention_mask.bool()
         if self.attn is None:
@@ -129,19 +213,21 @@ class ScalarRewardModel(torch.nn.Module):
         else:
             scores_BL = self.attn(h_BLD).squeeze(-1).masked_fill(~mask_BL, float("-inf"))
             v_BD = (torch.softmax(scores_BL.float(), dim=1).to(h_BLD.dtype).unsqueeze(-1) * h_BLD).sum(dim=1)
-        return self.heads(v_BD), out.last_hidden_state
+        return self.heads(v_BD), last_BLD
 
     @torch.no_grad()
-    def score(self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 64) -> list[float]:
-        """The reward (mean over heads) of every (prompt, response), in batches; eval mode."""
+    def score(self, prompts: Sequence[str], responses: Sequence[str], batch_size: int = 64,
+              media: Sequence[Sequence] | None = None) -> list[float]:
+        """The reward (mean over heads) of every (prompt, response[, media refs]), in batches; eval mode."""
         was_training = self.training
         self.eval()
         device = next(self.parameters()).device
         out: list[float] = []
         try:
             for i in range(0, len(prompts), batch_size):
-                ids_BL, mask_BL = self.encode(prompts[i:i + batch_size], responses[i:i + batch_size])
-                out += self(ids_BL.to(device), mask_BL.to(device)).float().mean(dim=-1).tolist()
+                part = media[i:i + batch_size] if media is not None else None
+                inputs = self.batch_inputs(prompts[i:i + batch_size], responses[i:i + batch_size], part)
+                out += self(**{k: v.to(device) for k, v in inputs.items()}).float().mean(dim=-1).tolist()
         finally:
             self.train(was_training)
         return out

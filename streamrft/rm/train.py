@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from streamrft.data import DataError
-from streamrft.rm.config import RMTrainConfig
+from streamrft.rm.config import RMTrainConfig, media_fields
 from streamrft.rm.data import PreferencePair, read_judgments, read_preference_pairs, split_holdout
 from streamrft.rm.losses import PAIR_LOSSES
 from streamrft.rm.model import ScalarRewardModel
@@ -41,8 +41,10 @@ def pair_batch_loss(model: ScalarRewardModel, pairs: list[PreferencePair], loss:
     prompts = [p.prompt for p in pairs] * 2
     responses = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     device = next(model.parameters()).device
-    ids_BL, mask_BL = (t.to(device) for t in model.encode(prompts, responses))
-    r_2BH, last_2BLD = model.rewards_and_states(ids_BL, mask_BL)
+    media = [p.media for p in pairs] * 2 if model.media else None
+    inputs = {k: v.to(device) for k, v in model.batch_inputs(prompts, responses, media).items()}
+    ids_BL, mask_BL = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    r_2BH, last_2BLD = model.rewards_and_states(ids_BL, mask_BL, **inputs)
     r_2BH = r_2BH.float()
     r_c, r_r = r_2BH[: len(pairs)], r_2BH[len(pairs):]
     margin_B = torch.tensor([p.margin for p in pairs], device=device)
@@ -76,8 +78,9 @@ def srm_accuracy(model: ScalarRewardModel, pairs: list[PreferencePair], batch_si
     strict = [p for p in pairs if not p.tie]
     if not strict:
         return float("nan")
-    r_c = model.score([p.prompt for p in strict], [p.chosen for p in strict], batch_size)
-    r_r = model.score([p.prompt for p in strict], [p.rejected for p in strict], batch_size)
+    media = [p.media for p in strict] if model.media else None
+    r_c = model.score([p.prompt for p in strict], [p.chosen for p in strict], batch_size, media)
+    r_r = model.score([p.prompt for p in strict], [p.rejected for p in strict], batch_size, media)
     return sum(c > r for c, r in zip(r_c, r_r)) / len(strict)
 
 
@@ -89,9 +92,10 @@ def lr_factor(schedule: str, step: int, steps: int) -> float:
 
 
 def _split(cfg: RMTrainConfig, reader):
-    rows = reader(cfg.data.train_path)
+    media = media_fields(cfg.data)
+    rows = reader(cfg.data.train_path, media)
     if cfg.data.eval_path:
-        return rows, reader(cfg.data.eval_path)
+        return rows, reader(cfg.data.eval_path, media)
     return split_holdout(rows, cfg.data.eval_fraction, cfg.seed)
 
 
@@ -104,7 +108,8 @@ def train_srm(cfg: RMTrainConfig) -> dict:
     """Train a ScalarRewardModel per ``cfg``; save it to ``cfg.output_dir``; return the summary."""
     torch.manual_seed(cfg.seed)
     train_pairs, eval_pairs = _split(cfg, read_preference_pairs)
-    model = ScalarRewardModel.from_backbone(cfg.model.path, cfg.model.layer, cfg.model.pooling, cfg.model.num_heads)
+    model = ScalarRewardModel.from_backbone(cfg.model.path, cfg.model.layer, cfg.model.pooling, cfg.model.num_heads,
+                                            media=media_fields(cfg.data))
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train.jsonl").unlink(missing_ok=True)
