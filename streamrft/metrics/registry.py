@@ -28,6 +28,7 @@ PHASE_TRANSITIONS = ("rollout_to_train", "train_to_rollout", "sleep", "wake", "w
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _SWITCH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+_TURN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 
 # observe_step's scalar names -> (attribute of PipelineMetrics, fixed labels). One name for one
 # thing: these keys are also the TensorBoard / W&B tags. "reward/<component>" and
@@ -234,6 +235,21 @@ class PipelineMetrics:
             "streamrft_samples_failed", "Samples that failed, by reason.", ["reason"], registry=r
         )
 
+        # Multi-turn episodes (env.name set; docs/agents.md), observed by the Generator as each episode ends.
+        # Tool counts come from EnvStep.info (tool_calls, tool_errors, tool_error_reason, tool_seconds).
+        self.env_turns_per_episode = Histogram(
+            "streamrft_env_turns_per_episode", "Model turns of one episode.", buckets=_TURN_BUCKETS, registry=r
+        )
+        self.env_tool_calls = Counter("streamrft_env_tool_calls", "Tool calls made by the model in episodes.", registry=r)
+        self.env_tool_errors = Counter(
+            "streamrft_env_tool_errors", "Tool calls that failed, by reason (timeout, memory_limit, tool_parse, ...).",
+            ["reason"], registry=r,
+        )
+        self.env_tool_seconds = Histogram(
+            "streamrft_env_tool_seconds", "Tool time of one episode (sum of its tool calls' seconds).",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+
         # Per-step training scalars (set through observe_step).
         self.reward_mean = Gauge("streamrft_reward_mean", "Mean reward of the last step.", ["component"], registry=r)
         self.reward_std = Gauge("streamrft_reward_std", "Reward std of the last step.", ["component"], registry=r)
@@ -291,6 +307,21 @@ class PipelineMetrics:
         self.train_scalar = Gauge(
             "streamrft_train_scalar", "Any other per-step scalar, by its observe_step name.", ["name"], registry=r
         )
+
+    def observe_episode(self, episode) -> None:
+        """One finished episode (streamrft.envs.episode.Episode): turns, tool calls, tool errors by reason
+        (errors without a reason count as "error"), tool seconds."""
+        self.env_turns_per_episode.observe(episode.turns)
+        info = episode.info
+        self.env_tool_calls.inc(info.get("tool_calls", 0.0))
+        reasons = list(episode.tool_error_reasons)  # one per environment step that reported a reason
+        for reason in reasons:
+            self.env_tool_errors.labels(reason=reason).inc()
+        unexplained = int(info.get("tool_errors", 0.0)) - len(reasons)
+        if unexplained > 0:
+            self.env_tool_errors.labels(reason="error").inc(unexplained)
+        if "tool_seconds" in info:
+            self.env_tool_seconds.observe(info["tool_seconds"])
 
     def on_scrape(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` at every scrape, before collecting (e.g. to sample queue depths, so a

@@ -133,6 +133,10 @@ def _step_stats(run, batch, stats: dict[str, float], step_started: float) -> Non
     from streamrft.runtime.distributed import all_reduce_max
 
     stats.update(_reward_stats(batch, run.actor.all_reduce_sum, [src.name for src in run.cfg.reward.sources]))
+    if run.cfg.env.name:  # multi-turn episodes: turns, tool calls / errors / seconds (runtime/env_stats.py)
+        from streamrft.runtime.env_stats import env_step_stats
+
+        stats.update(env_step_stats(batch, run.actor.all_reduce_sum))
     stats.update({f"phase/{k}_seconds": v for k, v in run.phase.timings.items()})
     behind = batch.versions_behind()  # per trained sample: learner version - its oldest token's version
     n, total = run.actor.all_reduce_sum(torch.tensor([len(behind), sum(behind)], dtype=torch.float64)).tolist()

@@ -452,7 +452,7 @@ class Generator(Stage):
                     log.warning("generator rank %d: environment %r close() of %s raised %s: %s", self.ctx.rank,
                                 e.name, sid, type(exc).__name__, exc)
         self.generated_tokens += int(sum(ep.loss_mask))
-        if self.ctx.metrics is not None and hasattr(self.ctx.metrics, "observe_episode"):
+        if self.ctx.metrics is not None:
             self.ctx.metrics.observe_episode(ep)
         header = self._completion(
             group, j, sid, ep.response_ids, ep.finish_reason, ep.policy_version, ep.seconds, len(p_ids),
