@@ -75,7 +75,7 @@ def register_environment(name: str) -> Callable[[Callable[..., Any]], Callable[.
 def _registry() -> dict[str, Callable[..., Any]]:
     import streamrft.envs.builtin  # noqa: F401  (registers the built-in environments)
 
-    for module in ("streamrft.envs.tools",):  # owner B's ToolEnvironment registers itself there when present
+    for module in ("streamrft.envs.tool_env",):  # ToolEnvironment (env name "tools") registers itself there
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import threading
 import time
 from collections import Counter
 
@@ -15,7 +14,9 @@ import pytest
 
 from streamrft.envs.sandbox import REASONS, SandboxLimits, run_python
 
-LIMITS = dict(timeout_s=5.0, cpu_seconds=1, memory_mb=256, max_processes=8)
+# timeout_s is far above cpu_seconds: on a loaded shared machine one CPU second can take several seconds of wall
+# time, and the loop must end on its CPU limit, not on the wall clock.
+LIMITS = dict(timeout_s=30.0, cpu_seconds=1, memory_mb=256, max_processes=8)
 
 ATTACKS = {
     "infinite loop": ("while True:\n    pass\n", "cpu_limit"),
@@ -62,8 +63,8 @@ def test_each_attack_ends_as_an_error_with_its_reason_within_its_limit(attack_ru
     result = results[name]
     assert result.reason == ATTACKS[name][1], (result.reason, result.stderr[-500:])
     assert not result.ok and result.exit_code != 0
-    # cpu_seconds=1 (+1 s startup and kill); the others fail on their first refused call
-    assert result.seconds < 3.0, result.seconds
+    # within its limit: the reason is the limit's own, not the wall clock's
+    assert result.seconds < LIMITS["timeout_s"], result.seconds
 
 
 def test_attack_messages_name_what_was_refused(attack_runs):
@@ -96,9 +97,9 @@ def test_five_attacks_in_a_row_leave_no_process_no_temp_dir_and_count_by_reason(
 def test_a_sleeping_run_is_killed_at_the_wall_clock(tmp_path):
     start = time.monotonic()
     result = run_python("import time\nprint('started', flush=True)\ntime.sleep(60)\n",
-                        SandboxLimits(timeout_s=1.0, work_root=str(tmp_path)))
+                        SandboxLimits(timeout_s=3.0, work_root=str(tmp_path)))
     assert (result.reason, result.ok, result.exit_code, result.stdout) == ("timeout", False, None, "started\n")
-    assert 1.0 <= time.monotonic() - start < 2.5
+    assert 3.0 <= time.monotonic() - start < 6.0
     assert os.listdir(tmp_path) == [] and sandbox_processes(str(tmp_path)) == []
 
 
@@ -149,26 +150,21 @@ def test_network_namespace_stops_what_the_audit_hook_cannot_see(tmp_path):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
-    server.settimeout(3.0)
     port = server.getsockname()[1]
-    accepted = []
-    thread = threading.Thread(target=lambda: accepted.append(_accept(server)))
-    thread.start()
     code = f"import os\nprint(os.system(\"bash -c 'echo hi > /dev/tcp/127.0.0.1/{port}' 2>/dev/null\") != 0)\n"
     result = run_python(code, SandboxLimits(work_root=str(tmp_path)))
-    thread.join()
+    server.setblocking(False)
+    with pytest.raises(BlockingIOError):  # a connection that had reached the host would wait in the backlog
+        server.accept()
     server.close()
     assert (result.stdout, result.reason) == ("True\n", "ok")
-    assert accepted == [None]
-
-
-def _accept(server):
-    try:
-        conn, _ = server.accept()
-    except OSError:
-        return None
-    conn.close()
-    return "connected"
+    # the same program outside the sandbox does connect (the check above can fail)
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", 0))
+        again.listen(1)
+        os.system(f"bash -c 'echo hi > /dev/tcp/127.0.0.1/{again.getsockname()[1]}'")
+        again.settimeout(5)
+        again.accept()[0].close()
 
 
 def test_without_namespaces_the_audit_hook_still_blocks_sockets(tmp_path):
