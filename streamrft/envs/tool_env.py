@@ -135,9 +135,10 @@ def _sandbox_answer(result) -> str:
 class ToolEnvironment:
     """One episode of tool use; see the module docstring for the tools, the answers and the counters."""
 
-    # Sandboxes running at once across every ToolEnvironment of the process (each is a process that
-    # may use a core until its limit); set by the first instance's max_concurrent.
-    _slots: threading.BoundedSemaphore | None = None
+    # Sandboxes running at once across the ToolEnvironments of the process that share a max_concurrent
+    # (each sandbox is a process that may use a core until its limit): one semaphore per value.
+    _slots: dict[int, threading.BoundedSemaphore] = {}
+    _slots_lock = threading.Lock()
 
     def __init__(self, tools: list[str] | tuple[str, ...] = TOOL_NAMES, limits: dict | None = None,
                  max_calls_per_turn: int = 4, calculator_max_digits: int = 1000, max_concurrent: int = 2) -> None:
@@ -153,8 +154,8 @@ class ToolEnvironment:
         self.limits = SandboxLimits.from_dict(limits, where="env.kwargs.limits")
         self.max_calls_per_turn = max_calls_per_turn
         self.calculator_max_digits = calculator_max_digits
-        if ToolEnvironment._slots is None:
-            ToolEnvironment._slots = threading.BoundedSemaphore(max_concurrent)
+        with ToolEnvironment._slots_lock:
+            self._slot = ToolEnvironment._slots.setdefault(max_concurrent, threading.BoundedSemaphore(max_concurrent))
         self.schemas = [TOOL_SCHEMAS[t] for t in tools]
 
     async def reset(self, row: dict) -> str | None:
@@ -204,5 +205,5 @@ class ToolEnvironment:
         return _sandbox_answer(result)
 
     def _sandboxed(self, code: str):
-        with ToolEnvironment._slots:
+        with self._slot:
             return run_python(code, self.limits)

@@ -121,3 +121,15 @@ def test_bad_kwargs_are_refused_before_any_episode():
         ToolEnvironment(max_calls_per_turn=0)
     with pytest.raises(EnvSpecError, match=r"env.kwargs: environment 'tools' takes no argument\(s\) \['timeout'\]"):
         load_environment("tools", timeout=3)
+
+
+def test_max_concurrent_bounds_the_sandboxes_running_at_once(tmp_path):
+    code = "import time\nprint(time.time())\ntime.sleep(0.2)\nprint(time.time())"
+    make = load_environment("tools", tools=["python"], max_concurrent=1, limits={"work_root": str(tmp_path)})
+
+    async def episodes():
+        return await asyncio.gather(*(make().step(call("python", code=code)) for _ in range(3)))
+
+    spans = sorted(tuple(map(float, r.observation.split())) for r in asyncio.run(episodes()))
+    assert len(spans) == 3 and all(end - start >= 0.2 for start, end in spans)
+    assert all(spans[i][1] <= spans[i + 1][0] for i in range(2)), spans  # one at a time: no overlap
