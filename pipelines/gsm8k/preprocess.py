@@ -2,9 +2,12 @@
 
 Each output row is ``{"prompt", "reference", "label": "gsm8k"}``: the prompt asks for the final
 answer after ``####`` (what the gsm8k rule reads first), and the reference is the number after the
-``####`` of the GSM8K solution, commas kept (the rule strips them).
+``####`` of the GSM8K solution, commas kept (the rule strips them). With ``--messages`` the prompt is a
+one-message conversation ``[{"role": "user", "content": ...}]`` (TRL's conversational format), which
+training renders with the model's chat template (``data.chat_template: auto``): what an Instruct model
+was tuned on.
 
-    python pipelines/gsm8k/preprocess.py /path/to/gsm8k/train.jsonl data/gsm8k_train.jsonl [--limit N]
+    python pipelines/gsm8k/preprocess.py /path/to/gsm8k/train.jsonl data/gsm8k_train.jsonl [--limit N] [--messages]
 
 GSM8K is MIT-licensed (Copyright (c) 2021 OpenAI); keep its LICENSE beside derived files you share.
 """
@@ -44,7 +47,7 @@ def read_rows(path: Path) -> Iterator[tuple[int, dict]]:
             yield i, row
 
 
-def convert_row(row: dict, path: Path, row_number: int) -> dict:
+def convert_row(row: dict, path: Path, row_number: int, messages: bool = False) -> dict:
     """One GSM8K row -> one dataset row; ValueError names the file, row and field when it cannot."""
     for field in ("question", "answer"):
         value = row.get(field) if isinstance(row, dict) else None
@@ -56,10 +59,12 @@ def convert_row(row: dict, path: Path, row_number: int) -> dict:
     reference = answer.rsplit("####", 1)[1].strip()
     if not reference:
         raise ValueError(f"{path}: row {row_number} field 'answer' has nothing after '####'")
-    return {"prompt": PROMPT_TEMPLATE.format(question=row["question"].strip()), "reference": reference, "label": LABEL}
+    text = PROMPT_TEMPLATE.format(question=row["question"].strip())
+    prompt = [{"role": "user", "content": text}] if messages else text
+    return {"prompt": prompt, "reference": reference, "label": LABEL}
 
 
-def preprocess(src: Path, dst: Path, limit: int = 0) -> int:
+def preprocess(src: Path, dst: Path, limit: int = 0, messages: bool = False) -> int:
     """Write the converted rows of ``src`` to ``dst`` (jsonl); returns the number of rows written."""
     if not src.is_file():
         raise ValueError(f"input {src} does not exist")
@@ -70,7 +75,7 @@ def preprocess(src: Path, dst: Path, limit: int = 0) -> int:
         for row_number, row in read_rows(src):
             if limit and n >= limit:
                 break
-            out.write(json.dumps(convert_row(row, src, row_number), ensure_ascii=False) + "\n")
+            out.write(json.dumps(convert_row(row, src, row_number, messages), ensure_ascii=False) + "\n")
             n += 1
     tmp.replace(dst)
     return n
@@ -81,9 +86,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("input", type=Path, help="GSM8K train.jsonl / test.jsonl or a .parquet file")
     parser.add_argument("output", type=Path, help="dataset jsonl to write")
     parser.add_argument("--limit", type=int, default=0, help="keep the first N rows; 0 = all")
+    parser.add_argument("--messages", action="store_true",
+                        help="write each prompt as a chat message list (rendered with the model's chat template)")
     args = parser.parse_args(argv)
     try:
-        n = preprocess(args.input, args.output, args.limit)
+        n = preprocess(args.input, args.output, args.limit, args.messages)
     except ValueError as exc:
         print(f"preprocess: error: {exc}", file=sys.stderr)
         return 2

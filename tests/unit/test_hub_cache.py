@@ -93,3 +93,34 @@ print(json.dumps({"same": same, "n": len(direct.state_dict()), "ids": ids,
     assert out["same"] and out["n"] > 0 and out["template"]
     # <|user|> 1 + 2 = <eos> <|assistant|>: the chat tokens came along from the cache
     assert len(out["ids"]) == 7 and out["ids"][5] == 1
+
+
+def test_the_gsm8k_instruct_config_validates_with_its_hub_id_cached_and_message_prompts(hf_home, tmp_path):
+    """pipelines/gsm8k/config.yaml as shipped (model.path: Qwen/Qwen2.5-1.5B-Instruct, chat template auto) with the
+    id in the cache (a tiny stand-in with a chat template under that name) and prompts preprocessed with
+    --messages: `--dry-run` accepts it offline, and a message row renders exactly as apply_chat_template does."""
+    from transformers import AutoTokenizer
+
+    from streamrft.data.chat import prompt_ids
+
+    home = tmp_path / "hf_home"
+    shutil.copytree(hf_home, home, symlinks=True)
+    (home / "hub" / "models--tiny-org--arith-chat").rename(home / "hub" / "models--Qwen--Qwen2.5-1.5B-Instruct")
+    data = tmp_path / "train.jsonl"
+    pre = subprocess.run([sys.executable, str(REPO / "pipelines" / "gsm8k" / "preprocess.py"),
+                          str(REPO / "tests" / "fixtures" / "gsm8k_test_sample.jsonl"), str(data), "--limit", "4",
+                          "--messages"], capture_output=True, text=True, timeout=60)
+    assert pre.returncode == 0, pre.stderr
+    row = json.loads(data.read_text().splitlines()[0])
+    assert row["prompt"][0]["role"] == "user" and "####" in row["prompt"][0]["content"]
+    env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("HF_HUB_CACHE", None)
+    proc = subprocess.run([sys.executable, "-m", "streamrft.cli", "train", str(REPO / "pipelines" / "gsm8k" / "config.yaml"),
+                           "--dry-run", f"data.train_path={data}", f"data.eval_path={data}",
+                           f"output_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert proc.returncode == 0 and "is valid" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    tok = AutoTokenizer.from_pretrained(str(next((home / "hub" / "models--Qwen--Qwen2.5-1.5B-Instruct" / "snapshots")
+                                                 .iterdir())))
+    _, ids = prompt_ids(tok, row["prompt"], "auto")
+    assert ids == tok.apply_chat_template(row["prompt"], add_generation_prompt=True)["input_ids"]
