@@ -39,7 +39,7 @@ ENVS = textwrap.dedent(
             self.turns, self.delay = turns, delay
 
         async def reset(self, row):
-            self.n, self.x = 0, row["x"]
+            self.n, self.x = 0, row.get("x", row.get("sample_id"))
             return f"start {self.x}"
 
         async def step(self, action):
@@ -302,3 +302,58 @@ def test_the_http_client_runs_episodes_and_a_hanging_step_fails_with_env_timeout
     done, failed, hang = asyncio.run(go())
     assert done == ("completed", expected_turns(5, 2))
     assert failed == ("failed:env_timeout", [("start 6", 0.0)]) and hang.failed_by_reason == {"env_timeout": 1}
+
+
+def test_a_training_run_survives_its_env_service_killed_and_restarted_with_every_sample_trained(env_file, tmp_path):
+    """The acceptance run: `streamrft train` with env.address on a serve-env that is killed with SIGKILL
+    in the middle of step 2's episodes and restarted on the same port; the run ends with exit 0 and every
+    admitted sample trained (none failed, none counted twice), and the restarted service saw the steps of
+    episodes it did not hold (they were rebuilt, not failed)."""
+    if not (ROOT / "runs/arith/sft/model.safetensors").exists():
+        pytest.skip("the arith model is not prepared (python pipelines/arith/prepare.py)")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")
+    port, http_port = free_port(), free_port()
+    service_args = ("--env", f"{env_file}:Counting", "--bind", f"tcp://127.0.0.1:{port}",
+                    "--env-kwargs", '{"turns": 2, "delay": 0.1}')
+    first = Service(*service_args, "--http", f"127.0.0.1:{http_port}")
+    restarted: list[Service] = []
+
+    def kill_in_step_2() -> None:
+        """Step 1 makes 16 episodes of 2 env steps; kill once 8 of step 2's 32 steps are answered."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5) as resp:
+                    if json.loads(resp.read())["steps"] >= 40:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.01)
+        first.proc.kill()
+        first.proc.wait(10)
+        restarted.append(Service(*service_args))
+
+    killer = threading.Thread(target=kill_in_step_2, daemon=True)
+    killer.start()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    train = subprocess.Popen(
+        [sys.executable, "-m", "streamrft.cli", "train", "pipelines/arith/config.yaml", f"output_dir={tmp_path / 'run'}",
+         "checkpoint.resume=never", "train.max_steps=3", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+         "data.eval_size=8", f"env.name={env_file}:Counting", f"env.address=tcp://127.0.0.1:{port}",
+         "env.max_tokens=64", "env.timeout_s=1", "env.retries=20", f"data.chat_template={template}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = [line.rstrip("\n") for line in train.stdout]
+        assert train.wait(60) == 0, "\n".join(lines[-60:])
+        killer.join(30)
+        assert restarted and restarted[0].stop() == 0, lines[-20:]
+    finally:
+        train.kill()
+        for svc in (first, *restarted):
+            svc.stop(signal.SIGKILL)
+    summary = json.loads(next(line for line in lines if line.startswith("summary: "))[len("summary: "):])
+    assert summary["steps"] == 3 and summary["samples_admitted"] == summary["samples_trained"] == 3 * 4 * 4, summary
+    stopped = restarted[0].lines[-1]
+    assert stopped.startswith("serve-env: stopped on SIGTERM") and " 0 unknown episodes" not in stopped, stopped
