@@ -133,3 +133,41 @@ def test_max_concurrent_bounds_the_sandboxes_running_at_once(tmp_path):
     spans = sorted(tuple(map(float, r.observation.split())) for r in asyncio.run(episodes()))
     assert len(spans) == 3 and all(end - start >= 0.2 for start, end in spans)
     assert all(spans[i][1] <= spans[i + 1][0] for i in range(2)), spans  # one at a time: no overlap
+
+
+def test_an_episode_with_the_tool_environment_appends_the_rendered_tool_message():
+    """ToolEnvironment inside the Generator's episode loop (scripted engine, Qwen2 tokenizer with the
+    Hermes tools template): the observation ids are exactly append_messages' ids for the tool message,
+    masked out, and the episode's counters sum the step's."""
+    from streamrft.engines.base import GeneratedSample
+    from streamrft.envs.episode import run_episode
+    from streamrft.envs.render import ObservationRenderer
+    from streamrft.envs.tools import append_messages, tool_message
+    from tests.unit.test_envs_tools import HERMES_TEMPLATE, MERGES, VOCAB, AddedToken, Qwen2Tokenizer
+
+    tok = Qwen2Tokenizer(vocab=dict(VOCAB), merges=list(MERGES), unk_token=None, eos_token="<|im_end|>",
+                         pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in ("<tool_call>", "</tool_call>")])
+    tok.chat_template = HERMES_TEMPLATE
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    turns = [tok.encode(call("calculator", expression="12*34") + "<tool_call>[]</tool_call>", add_special_tokens=False)
+             + [eos], tok.encode("It is 408.", add_special_tokens=False) + [eos]]
+
+    class Scripted:
+        async def generate_all(self, requests):
+            ids = turns.pop(0)
+            return [GeneratedSample(requests[0].request_id, ids, [-0.5] * len(ids), "stop", 3, token_versions=[3] * len(ids))]
+
+    env = load_environment("tools", tools=["calculator"])()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "12*34?"}], tools=env.schemas,
+                                     add_generation_prompt=True, tokenize=True)["input_ids"]
+    model_1, model_2 = list(turns[0]), list(turns[1])
+    ep = asyncio.run(run_episode(env, Scripted(), ObservationRenderer(tok), prompt, "s0", (0, 0, 0, 0), max_turns=4,
+                                 max_tokens=512, max_new_tokens=256))
+    content = "408\n\nerror (tool_parse): tool call 2: expected a JSON object with 'name' and 'arguments', got list"
+    obs = append_messages(tok, prompt + model_1, [tool_message(content)], tools=env.schemas)
+    assert ep.response_ids == model_1 + obs + model_2
+    assert ep.loss_mask == [1] * len(model_1) + [0] * len(obs) + [1] * len(model_2)
+    assert tok.decode(obs) == f"\n<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert (ep.turns, ep.info["tool_calls"], ep.info["tool_errors"], ep.tool_error_reasons) == (2, 2.0, 1.0, ["tool_parse"])
