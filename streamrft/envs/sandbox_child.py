@@ -228,6 +228,19 @@ def _print_traceback(exc: BaseException) -> None:
     sys.stderr.write("".join(te.format()))
 
 
+def _finish_like_python() -> None:
+    """What the interpreter does at a normal exit and os._exit skips: wait for non-daemon threads, run
+    atexit functions."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+    import atexit
+
+    atexit._run_exitfuncs()
+
+
 def run_worker(code: str, cfg: dict, in_user_ns: bool) -> None:
     """Never returns: every process of the run (forks of the code included) leaves through os._exit."""
     status = 1
@@ -251,6 +264,7 @@ def run_worker(code: str, cfg: dict, in_user_ns: bool) -> None:
         compiled = compile(code, CODE_NAME, "exec")
         install_audit_hook(cfg["workdir"])
         exec(compiled, {"__name__": "__main__", "__builtins__": __builtins__})
+        _finish_like_python()
         status = 0
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

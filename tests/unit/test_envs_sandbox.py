@@ -184,3 +184,13 @@ def test_limits_are_checked_with_their_names():
     with pytest.raises(ValueError, match=r"sandbox limit max_processes=2.5 must be a whole number"):
         SandboxLimits(max_processes=2.5)
     assert SandboxLimits.from_dict({"timeout_s": 2}).timeout_s == 2
+
+
+def test_the_run_ends_like_a_script_threads_joined_and_atexit_run(tmp_path):
+    code = ("import atexit, sys, threading, time\natexit.register(lambda: print('atexit'))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\nprint('main')\n")
+    result = run_python(code, SandboxLimits(work_root=str(tmp_path)))
+    assert (result.reason, result.stdout) == ("ok", "main\nthread\natexit\n")
+    code = "import sys\nprint('partial')\nsys.exit('bad input')\n"
+    result = run_python(code, SandboxLimits(work_root=str(tmp_path)))
+    assert (result.reason, result.exit_code, result.stdout, result.stderr) == ("error", 1, "partial\n", "bad input\n")
