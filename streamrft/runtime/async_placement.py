@@ -8,7 +8,7 @@
 stop): the learner ranks run only their LearnerFeed, which completes a step when every engine sent its
 ``end_of_step``. ``AsyncPhase`` has the PhaseController's: there is no sleep/wake; ``enter_rollout``
 publishes the new version's weights (every learner rank drains the full state, a collective; rank 0
-broadcasts the buckets) and keeps the full parameters for the held-out evaluation, which runs on the
+encodes the buckets, then broadcasts them from a thread while the next step trains) and keeps the full parameters for the held-out evaluation, which runs on the
 learner's own module while the engines generate. Engines admit a group of step k only with weights of version >= k -
 rollout.max_staleness, so the learner trains step k while the engines generate steps k+1..k+S.
 
@@ -207,7 +207,8 @@ class AsyncLearnerPipeline:
                 pass
             return
         self.check_engines()
-        self.publisher.publish(version, buckets)
+        # the broadcast runs beside the next train step (gloo on one GPU stages GBs through host memory)
+        self.publisher.publish(version, buckets, background=True)
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         for task in self.tasks:
@@ -300,7 +301,9 @@ class AsyncPhase:
         buckets = self.strategy.full_state_for_engine(self.bucket_bytes)
         await asyncio.to_thread(self.pipeline.publish, version, buckets)
         await self.learner_engine.update_weights([], version)
-        self.timings["weight_push"] = time.perf_counter() - started
+        self.timings["weight_push"] = time.perf_counter() - started  # on the learner's path: encoding the version
+        if self.pipeline.publisher is not None:  # the previous version's broadcast, which ran beside the step
+            self.timings["weight_send"] = self.pipeline.publisher.send_seconds
         if self.started is None:
             self.started = time.time()
         # evaluation generates with the learner's module: full parameters kept, so ranks may run different

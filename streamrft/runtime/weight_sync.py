@@ -29,6 +29,7 @@ the stage ``weight_sync``, this rank and what it was waiting for.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, Iterable, Sequence
 
@@ -178,7 +179,14 @@ class _End:
 
 
 class WeightPublisher(_End):
-    """The learner's rank 0 end: ``publish(version, buckets)`` per version, ``finish()`` once at the end."""
+    """The learner's rank 0 end: ``publish(version, buckets)`` per version, ``finish()`` once at the end.
+
+    ``publish(..., background=True)`` takes the version off the learner's critical path: the buckets are
+    encoded (a copy: the snapshot, so the next optimizer step may change the weights at once) on the
+    calling thread, and broadcast from a thread of its own while the caller goes on training. At most one
+    version is in flight: the next ``publish`` (and ``finish``) first waits for the previous send, and
+    re-raises its failure there.
+    """
 
     def __init__(self, group, src_rank: int, timeout_s: float, rank: int | None = None,
                  device: torch.device | str | None = None):
@@ -188,40 +196,83 @@ class WeightPublisher(_End):
         self.last_version: int | None = None
         self.finished = False
         self.published_bytes = 0  # payload bytes of the last version
+        self.send_seconds = 0.0  # how long the last version's broadcasts took
+        self._sending: threading.Thread | None = None
+        self._sending_version: int | None = None
+        self._send_deadline_s = 0.0
+        self._send_error: BaseException | None = None
 
-    def publish(self, version: int, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> int:
+    def publish(self, version: int, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]],
+                background: bool = False) -> int:
         """Broadcast one version, bucket by bucket (each bucket one payload collective); returns its
-        payload bytes. Versions must increase: subscribers rely on receiving them in order."""
+        payload bytes. Versions must increase: subscribers rely on receiving them in order. With
+        ``background`` the broadcasts run in a thread and this returns once the version is encoded."""
         if self.finished:
             raise RuntimeError(f"{STAGE}: publish(version={version}) after finish()")
+        self.wait_sent()
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"{STAGE}: version {version} published after version {self.last_version}; versions "
                              "must increase")
-        total, count = 0, 0
-        for b, bucket in enumerate(buckets):
+        encoded = []
+        for bucket in buckets:
             named = list(bucket)
-            if not named:
-                continue
-            table, names, payload = encode_bucket(named, self.device)
+            if named:
+                encoded.append((len(named), *encode_bucket(named, self.device)))
+        self.last_version = version
+        self.published_bytes = sum(payload.numel() for _, _, _, payload in encoded)
+        if not background:
+            self._send(version, encoded)
+            return self.published_bytes
+        # each broadcast waits at most timeout_s: the whole send is bounded by one timeout per message
+        self._send_deadline_s = self.timeout_s * (4 * len(encoded) + 1) + 5.0
+        self._sending_version = version
+        self._sending = threading.Thread(target=self._send_in_thread, args=(version, encoded),
+                                         name=f"{STAGE}-publish-v{version}", daemon=True)
+        self._sending.start()
+        return self.published_bytes
+
+    def _send(self, version: int, encoded: list) -> None:
+        started = time.perf_counter()
+        count = 0
+        for b, (n, table, names, payload) in enumerate(encoded):
             what = f"sending bucket {b} of version {version}"
-            self._broadcast(self._header(BUCKET, version, len(named), table.numel(), names.numel(), payload.numel()),
-                            what)
+            self._broadcast(self._header(BUCKET, version, n, table.numel(), names.numel(), payload.numel()), what)
             self.seq += 1
             self._broadcast(table, what)
             self._broadcast(names, what)
             self._broadcast(payload, what)
-            total += payload.numel()
-            count += len(named)
+            count += n
         self._broadcast(self._header(VERSION_END, version, count), f"ending version {version}")
         self.seq += 1
-        self.last_version, self.published_bytes = version, total
-        return total
+        self.send_seconds = time.perf_counter() - started
+
+    def _send_in_thread(self, version: int, encoded: list) -> None:
+        try:
+            self._send(version, encoded)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the learner's thread by wait_sent
+            self._send_error = exc
+
+    def wait_sent(self) -> None:
+        """Wait for a version being sent in the background; raise its failure (WeightSyncError), or one
+        naming the version when the send outlives its bound."""
+        thread = self._sending
+        if thread is not None:
+            thread.join(self._send_deadline_s)
+            if thread.is_alive():
+                raise WeightSyncError(f"{STAGE}: rank {self.rank} (publisher): sending version "
+                                      f"{self._sending_version} did not end within {self._send_deadline_s:g} s")
+            self._sending = None
+        if self._send_error is not None:
+            error, self._send_error = self._send_error, None
+            raise error
 
     def finish(self) -> None:
-        """Tell every subscriber that no more versions come (their ``receive`` returns ``(None, [])``)."""
+        """Tell every subscriber that no more versions come (their ``receive`` returns ``(None, [])``),
+        after the version in flight, if any, has been sent."""
         if self.finished:
             return
         self.finished = True
+        self.wait_sent()
         self._broadcast(self._header(FINISH, -1), "sending the end of the run")
 
 

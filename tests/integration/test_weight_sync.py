@@ -83,6 +83,16 @@ def _worker(argv: list[str]) -> int:
             publisher.publish(v, bucketed(version_state(base, v), BUCKET_BYTES))
         publisher.finish()
         return 0
+    if role == "publisher-background":  # broadcasts beside the caller, who overwrites the weights at once
+        base = load_file(base_path)
+        publisher = WeightPublisher(group, src_rank=0, timeout_s=timeout_s)
+        for v in VERSIONS:
+            state = version_state(base, v)
+            publisher.publish(v, bucketed(state, BUCKET_BYTES), background=True)
+            for _, t in state:  # the next optimizer step: the version sent must be the one published
+                t.fill_(-7)
+        publisher.finish()
+        return 0
     if role in ("publisher-dies", "publisher-silent"):  # one version, then SIGKILL by the test or silence
         base = load_file(base_path)
         WeightPublisher(group, src_rank=0, timeout_s=timeout_s).publish(1, bucketed(version_state(base, 1), BUCKET_BYTES))
@@ -187,9 +197,12 @@ def _check_received(folder: Path, base_dir: Path, ranks: list[int]) -> None:
                 assert torch.equal(_bits(got[name]), _bits(t)), (r, v, name)
 
 
-def test_two_ranks_filestore_three_versions_bitwise_in_order(base_dir, tmp_path):
+@pytest.mark.parametrize("publisher", ["publisher", "publisher-background"])
+def test_two_ranks_filestore_three_versions_bitwise_in_order(base_dir, tmp_path, publisher):
+    """Also with the broadcast in a background thread while the publisher overwrites its weights: what
+    arrives is each version as it was when published."""
     store = f"file:{tmp_path / 'store'}"
-    procs = [_spawn("publisher", 0, 2, store, tmp_path, base_dir), _spawn("subscriber", 1, 2, store, tmp_path, base_dir)]
+    procs = [_spawn(publisher, 0, 2, store, tmp_path, base_dir), _spawn("subscriber", 1, 2, store, tmp_path, base_dir)]
     results = _finish(procs)
     assert [code for code, _ in results] == [0, 0], results
     _check_received(tmp_path, base_dir, [1])
