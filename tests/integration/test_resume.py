@@ -1,5 +1,6 @@
 """Exact resume: a run killed with SIGKILL and resumed logs bitwise the same steps as an uninterrupted run
-(FSDP2 on gloo, 1 rank via the CLI and 2 ranks via launch/colocate.sh); SIGTERM saves the last step."""
+(FSDP2 on gloo, 1 rank via the CLI with synchronous saves and 2 ranks via launch/colocate.sh with
+checkpoint.async_save=true); SIGTERM saves the last step."""
 
 from __future__ import annotations
 
@@ -85,15 +86,15 @@ def sigkill_tree(proc: subprocess.Popen) -> None:
 
 
 def kill_after_first_checkpoint(cmd_env, out: Path) -> None:
-    """Start the run; SIGKILL it and its workers once step 1 is logged (its checkpoint, written before
-    the log line, is then complete)."""
+    """Start the run; SIGKILL it and its workers once step 1 is logged and a checkpoint is complete (a
+    synchronous save is complete before the log line, an asynchronous one may complete after it)."""
     cmd, env = cmd_env
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 180
         log = out / "steps.jsonl"
-        while not (log.exists() and log.read_text().count("\n") >= 1):
+        while not (log.exists() and log.read_text().count("\n") >= 1 and complete_checkpoints(out)):
             assert proc.poll() is None, f"run ended (rc {proc.returncode}) before its first step"
             assert time.monotonic() < deadline, "no step within 180 s"
             time.sleep(0.02)
@@ -113,13 +114,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-def assert_resume_is_exact(arith_dir, tmp_path, ranks: int) -> None:
+def assert_resume_is_exact(arith_dir, tmp_path, ranks: int, *saving: str) -> None:
     ref, res = tmp_path / "uninterrupted", tmp_path / "resumed"
-    run(command(arith_dir, ref, ranks))
-    kill_after_first_checkpoint(command(arith_dir, res, ranks, "checkpoint.save_every=1"), res)
+    run(command(arith_dir, ref, ranks, *saving))
+    kill_after_first_checkpoint(command(arith_dir, res, ranks, "checkpoint.save_every=1", *saving), res)
     start = complete_checkpoints(res)[-1][0]
     assert 1 <= start < MAX_STEPS, f"killed too late: checkpoint of step {start}"
-    stdout = run(command(arith_dir, res, ranks, "checkpoint.save_every=1"))
+    stdout = run(command(arith_dir, res, ranks, "checkpoint.save_every=1", *saving))
     assert f"resumed from {res / 'checkpoints' / f'step_{start:08d}'} at step {start}" in stdout
     expected, got = steps_of(ref), steps_of(res)
     assert [s["step"] for s in got] == list(range(1, MAX_STEPS + 1))
@@ -128,6 +129,7 @@ def assert_resume_is_exact(arith_dir, tmp_path, ranks: int) -> None:
         assert compared == {k: b[k] for k in compared}, f"step {a['step']} differs"
     assert any(s["grad_norm"] > 0 for s in got[start:]), "the resumed steps never moved the weights"
     assert read_meta(complete_checkpoints(res)[-1][1])["step"] == MAX_STEPS
+    assert read_meta(complete_checkpoints(ref)[-1][1])["async_save"] is ("checkpoint.async_save=true" in saving)
 
 
 def test_a_killed_one_rank_run_resumes_bitwise_like_an_uninterrupted_one(arith_dir, tmp_path):
@@ -135,7 +137,8 @@ def test_a_killed_one_rank_run_resumes_bitwise_like_an_uninterrupted_one(arith_d
 
 
 def test_a_killed_two_rank_run_resumes_bitwise_like_an_uninterrupted_one(arith_dir, tmp_path):
-    assert_resume_is_exact(arith_dir, tmp_path, ranks=2)
+    # async saves: the background writes' collectives on their own gloo group across two processes
+    assert_resume_is_exact(arith_dir, tmp_path, 2, "checkpoint.async_save=true")
 
 
 def test_sigterm_saves_the_last_completed_step_and_exits_cleanly(arith_dir, tmp_path):
