@@ -19,7 +19,12 @@ openrlhf   ``reward_func(queries, prompts, labels)`` batched       tensor / list
 How StreamRFT's fields map onto theirs (a RewardItem carries prompt, response, reference, label and
 ``columns``: the data row's other JSON-like fields, see :func:`reward_columns`):
 
-* trl: ``prompts`` the prompt texts, ``completions`` the responses; the row's columns are the item's
+* trl: ``prompts`` the prompt texts, ``completions`` the responses. A row whose prompt is a list of messages
+  is conversational, as in TRL: ``prompts[i]`` is that message list (the row's own, as the dataset has it)
+  and ``completions[i]`` is ``[{"role": "assistant", "content": response}]``; the messages reach the
+  function through the item's ``columns["prompt"]`` (:func:`reward_columns`), so a remote ``serve-reward``
+  sees them too, and are not passed again as a ``prompt`` keyword (TRL passes no ``prompt`` column either).
+  The row's columns are the item's
   ``columns`` (one list per column name, None where a row lacks it), plus ``reference`` and ``label``,
   and the reference again under the names TRL's documentation and its own reward functions read a gold
   answer by (``ground_truth``, ``solution``) unless the rows have a column of that name.
@@ -96,11 +101,26 @@ def _json_like(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def reward_columns(extra: dict[str, Any]) -> dict[str, Any]:
+PROMPT_COLUMN = "prompt"  # the column that carries a conversational row's messages (TRL's name for it)
+
+
+def reward_columns(extra: dict[str, Any], prompt: Any = None) -> dict[str, Any]:
     """The data row's other fields a reward function may read (TRL's extra columns, verl's ``extra_info``):
     the JSON-like ones (text, numbers, bools, null, lists and mappings of these). Media bytes and other
-    objects stay behind: they would travel with every sample to every reward source."""
-    return {k: v for k, v in extra.items() if isinstance(k, str) and _json_like(v)}
+    objects stay behind: they would travel with every sample to every reward source.
+
+    ``prompt``: the row's prompt; when it is a list of messages it is kept under ``"prompt"``, so that the
+    trl convention can pass conversational ``prompts`` / ``completions`` (the rendered text alone loses them)."""
+    columns = {k: v for k, v in extra.items() if isinstance(k, str) and _json_like(v)}
+    if _is_conversation(prompt) and _json_like(prompt):
+        columns[PROMPT_COLUMN] = [dict(m) for m in prompt]
+    return columns
+
+
+def _is_conversation(value: Any) -> bool:
+    """A prompt given as messages: a non-empty list of {"role": ..., "content": ...} objects."""
+    return (isinstance(value, (list, tuple)) and bool(value)
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
 
 
 class ConventionError(ValueError):
@@ -244,11 +264,16 @@ class TRLAdapter(_Adapter):
 
     def call(self, fn: Callable[..., Any], items: Sequence[RewardItem]) -> tuple[tuple, dict]:
         refs = [it.reference for it in items]
-        names = sorted({k for it in items for k in it.columns})
+        # conversational rows (TRL's is_conversational): prompts are the messages, completions one assistant message
+        conversation = [_is_conversation(it.columns.get(PROMPT_COLUMN)) for it in items]
+        names = sorted({k for it in items for k in it.columns} - ({PROMPT_COLUMN} if any(conversation) else set()))
         kwargs: dict[str, list] = {"ground_truth": refs, "solution": refs}  # aliases, unless a column has the name
         kwargs.update({k: [it.columns.get(k) for it in items] for k in names})
-        kwargs.update({"prompts": [it.prompt for it in items], "completions": [it.response for it in items],
-                       "reference": refs, "label": [it.label for it in items]})
+        kwargs.update({
+            "prompts": [it.columns[PROMPT_COLUMN] if conv else it.prompt for it, conv in zip(items, conversation)],
+            "completions": [[{"role": "assistant", "content": it.response}] if conv else it.response
+                            for it, conv in zip(items, conversation)],
+            "reference": refs, "label": [it.label for it in items]})
         params = _params(fn)
         if params is None or _has_var_kw(params):
             return (), kwargs

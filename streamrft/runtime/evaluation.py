@@ -53,7 +53,7 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
             response=tokenizer.decode(outputs[str(i)].response_ids, skip_special_tokens=True),
             reference=r.reference,
             label=r.label,
-            columns=reward_columns(r.extra),
+            columns=reward_columns(r.extra, r.prompt),
         )
         for i, r in kept
     ]

@@ -170,7 +170,7 @@ class Generator(Stage):
             prompt_len=len(ids),
             data_row=row.row,
             media=refs,
-            columns=reward_columns(row.extra),  # TRL's extra columns / verl's extra_info, for reward functions
+            columns=reward_columns(row.extra, row.prompt),  # TRL columns (+ messages), verl extra_info
         )
         if inputs is not None:
             self.mm_inputs[group.group_id] = inputs
