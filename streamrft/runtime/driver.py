@@ -132,7 +132,9 @@ def _step_stats(run, batch, stats: dict[str, float], step_started: float) -> Non
     from streamrft.metrics.probe import mfu, training_flops
     from streamrft.runtime.distributed import all_reduce_max
 
-    stats.update(_reward_stats(batch, run.actor.all_reduce_sum, [src.name for src in run.cfg.reward.sources]))
+    # env_turns: the environment's per-turn rewards of multi-turn episodes, a component beside the sources
+    components = [src.name for src in run.cfg.reward.sources] + (["env_turns"] if run.cfg.env.name else [])
+    stats.update(_reward_stats(batch, run.actor.all_reduce_sum, components))
     if run.cfg.env.name:  # multi-turn episodes: turns, tool calls / errors / seconds (runtime/env_stats.py)
         from streamrft.runtime.env_stats import env_step_stats
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, Sequence
 
 # Failure kinds (the part of a reason before its first colon) reduced by position; others add to "other".
-KINDS = ("reward", "teacher", "media_error", "data_error")
+KINDS = ("reward", "teacher", "media_error", "data_error", "env_error")
 
 
 class FailurePolicyError(RuntimeError):
