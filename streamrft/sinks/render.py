@@ -4,6 +4,10 @@ Each response token is a box shaded by its entropy (white = certain, orange = un
 above the high-entropy threshold are outlined in red. Hovering a token shows its id and entropy.
 The page has inline CSS only and no external resource, so it opens offline and can be attached.
 
+Multi-turn episodes (records with a ``loss_mask``): observation spans (mask 0, never trained) are drawn
+in blue-grey with a label naming their chat role (tool / user), not shaded by entropy; the header line
+gives the number of turns and the per-turn rewards.
+
 Token strings. Records carry token ids and the decoded ``response``, not per-token strings. The
 boxes use, in this order: a ``response_tokens`` field on the record if the protocol grows one; the
 ``token_texts`` callable passed in (e.g. a tokenizer's ``convert_ids_to_tokens``); the characters
@@ -43,6 +47,9 @@ h1 { font-size: 20px; margin: 0 0 8px; }
 .tok { border: 1px solid #e2e5ea; border-radius: 3px; padding: 0 1px; margin: 0 1px 0 0; }
 .tok.hi { border: 2px solid #d0021b; font-weight: bold; }
 .decoded { font-size: 12px; color: #4a5563; white-space: pre-wrap; margin-top: 4px; }
+.obs { background: #dde6f3; border: 1px dashed #7a8db0; border-radius: 4px; padding: 1px 2px; margin: 0 2px; }
+.obs .role { font-size: 10px; color: #35507a; font-weight: bold; margin-right: 3px; }
+.obs .tok { background: #dde6f3; border-color: #c3cfe3; color: #35507a; }
 """
 
 
@@ -83,9 +90,26 @@ def _render_sample(record: TrajectoryRecord, token_texts: TokenTexts | None, thr
     entropies: list[float | None] = (
         list(record.entropy) if len(record.entropy) == len(texts) else [None] * len(texts)
     )
-    tokens = "".join(
-        _render_token(t, i, h, threshold) for t, i, h in zip(texts, record.response_ids, entropies, strict=True)
-    )
+    mask = list(record.loss_mask) if len(record.loss_mask) == len(texts) else [1] * len(texts)
+    roles = list(record.observation_roles)
+    parts, span = [], 0
+    for j, (t, i, h) in enumerate(zip(texts, record.response_ids, entropies, strict=True)):
+        if mask[j]:
+            parts.append(_render_token(t, i, h, threshold))
+            continue
+        if j == 0 or mask[j - 1]:  # an observation span opens: label it with its role
+            role = roles[span] if span < len(roles) else "observation"
+            parts.append(f'<span class="obs" title="observation ({html.escape(role)}), not trained">'
+                         f'<span class="role">{html.escape(role)}</span>')
+            span += 1
+        parts.append(_render_token(t, i, None, threshold))
+        if j == len(texts) - 1 or mask[j + 1]:
+            parts.append("</span>")
+    tokens = "".join(parts)
+    turns = ""
+    if record.turn_starts:
+        rewards = ", ".join(f"{r:.3g}" for r in record.turn_rewards)
+        turns = f" · {len(record.turn_starts)} turns (turn rewards {rewards})"
     sign = "pos" if record.advantage > 0 else "neg" if record.advantage < 0 else ""
     components = ", ".join(f"{html.escape(k)} {v:.3g}" for k, v in record.reward_components.items())
     status = html.escape(record.status + (f": {record.reason}" if record.reason else ""))
@@ -96,6 +120,7 @@ def _render_sample(record: TrajectoryRecord, token_texts: TokenTexts | None, thr
         + f' · advantage <span class="{sign}">{record.advantage:+.3g}</span>'
         + f' · <span class="status-{html.escape(record.status)}">{status}</span>'
         + f" · {len(record.response_ids)} tokens, finish {html.escape(record.finish_reason or 'unknown')}"
+        + turns
     )
     decoded = "" if real else f'<div class="decoded">{html.escape(record.response)}</div>'
     return (
