@@ -158,24 +158,27 @@ def matching_conventions(fn: Callable[..., Any]) -> list[str]:
     return found
 
 
-def resolve_convention(fn: Callable[..., Any], convention: str, where: str) -> str:
+def resolve_convention(fn: Callable[..., Any], convention: str, where: str,
+                       key: str = "reward.sources[].convention") -> str:
     """The convention ``fn`` is called with; ConventionError (naming ``where``) for an ambiguous
     ``auto`` signature, a default-``streamrft`` source whose signature is another convention's, or a
-    signature that cannot take the convention's arguments."""
+    signature that cannot take the convention's arguments. ``key``: the setting the errors point at
+    (``--convention`` for serve-reward)."""
     if convention not in (*CONVENTIONS, "auto"):
-        raise ConventionError(f"{where}: convention={convention!r} is not one of {', '.join(CONVENTIONS)}, auto")
+        raise ConventionError(f"{where}: {key.split('[].')[-1] if key.startswith('reward.') else key}="
+                              f"{convention!r} is not one of {', '.join(CONVENTIONS)}, auto")
     found = matching_conventions(fn)
     if convention == "auto":
         if len(found) > 1:
             raise ConventionError(
                 f"{where}: convention=auto cannot tell {' from '.join(found)} by the signature "
-                f"{_signature(fn)}; set reward.sources[].convention to one of them"
+                f"{_signature(fn)}; set {key} to one of them"
             )
         convention = found[0] if found else "streamrft"
     elif convention == "streamrft" and found:
         raise ConventionError(
             f"{where}: the signature {_signature(fn)} is a reward function in the {found[0]} convention, not StreamRFT's "
-            f"fn(response, reference, ...); set reward.sources[].convention: {found[0]}"
+            f"fn(response, reference, ...); set {key}{' ' if key.startswith('--') else ': '}{found[0]}"
             + (f" (or {', '.join(found[1:])})" if len(found) > 1 else "")
         )
     if convention != "streamrft":

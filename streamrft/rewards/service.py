@@ -4,7 +4,9 @@
     python -m streamrft.rewards.service --fn arith --bind tcp://127.0.0.1:0
 
 SPEC is a rule name (arith, gsm8k, math, boxed_format) or ``module:function`` /
-``path/to/file.py:function`` (see streamrft.rewards.custom).
+``path/to/file.py:function`` (see streamrft.rewards.custom). ``--convention trl|verl|openrlhf|auto`` serves a
+custom function written for TRL, verl or OpenRLHF unchanged (streamrft.rewards.conventions; default
+``streamrft``, whose refusal of another convention's signature names the flag to set).
 
 ZeroMQ: a ROUTER socket speaking protocols.RewardRequest -> RewardReply (msgpack, never pickle). The
 last frame of a message is the request; the frames before it are the envelope sent back unchanged,
@@ -73,6 +75,7 @@ import zmq
 import zmq.asyncio
 
 from protocols import ProtocolError, RewardItem, RewardReply, RewardRequest, decode, encode
+from streamrft.rewards.conventions import CONVENTIONS
 from streamrft.rewards.custom import BatchRewardError, RewardFunction
 from streamrft.rewards.remote import peek_request_id
 from streamrft.rewards.sources import resolve_reward_function
@@ -507,8 +510,10 @@ async def _serve(fn: RewardFunction, bind: str, workers: int, http: str | None, 
 
 
 def serve_reward(fn_spec: str, bind: str = "tcp://127.0.0.1:0", workers: int = 1, http: str | None = None,
-                 log_requests: bool = False, limits: ServiceLimits | None = None) -> None:
-    """Serve ``fn_spec`` until SIGTERM / SIGINT (blocking). Raises ValueError for a bad spec, address or limit."""
+                 log_requests: bool = False, limits: ServiceLimits | None = None, convention: str = "streamrft") -> None:
+    """Serve ``fn_spec`` until SIGTERM / SIGINT (blocking). Raises ValueError for a bad spec, address or limit.
+    ``convention``: how a custom function is called (``--convention``: streamrft, trl, verl, openrlhf, auto),
+    so a function written for TRL, verl or OpenRLHF is served unchanged."""
     limits = limits or ServiceLimits()
     if workers < 1:
         raise ValueError(f"--workers={workers} must be >= 1")
@@ -516,7 +521,7 @@ def serve_reward(fn_spec: str, bind: str = "tcp://127.0.0.1:0", workers: int = 1
     check_bind(bind)
     if http:
         parse_http(http)
-    fn = resolve_reward_function(fn_spec)
+    fn = resolve_reward_function(fn_spec, convention)
     service, reason = run_until_signal(lambda stop: _serve(fn, bind, workers, http, log_requests, stop, limits))
     _log(
         f"stopped on {reason}: {service.n_requests} requests, "
@@ -530,6 +535,9 @@ def serve_reward_main(argv: list[str]) -> int:
     d = ServiceLimits()
     parser = argparse.ArgumentParser(prog="streamrft serve-reward", description=__doc__.split("\n\n")[0])
     parser.add_argument("--fn", required=True, help="rule name (arith, gsm8k, math, boxed_format) or module:function")
+    parser.add_argument("--convention", default="streamrft", choices=[*CONVENTIONS, "auto"],
+                        help="calling convention of a custom --fn (as reward.sources[].convention): a TRL, verl or "
+                             "OpenRLHF reward function is served unchanged")
     parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ address; port 0 = any free port")
     parser.add_argument("--workers", type=int, default=1, help="concurrent scoring threads")
     parser.add_argument("--http", default=None, help="also serve JSON over HTTP on host:port")
@@ -553,7 +561,7 @@ def serve_reward_main(argv: list[str]) -> int:
         http_timeout_s=args.http_timeout_s, cache_bytes=args.cache_bytes,
     )
     try:
-        serve_reward(args.fn, args.bind, args.workers, args.http, args.log_requests, limits)
+        serve_reward(args.fn, args.bind, args.workers, args.http, args.log_requests, limits, args.convention)
     except (ValueError, zmq.ZMQError, OSError) as exc:
         print(f"serve-reward: error: {exc}", file=sys.stderr, flush=True)
         return 2

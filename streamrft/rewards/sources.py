@@ -39,11 +39,19 @@ class LocalFunctionBackend:
         self.fn.close()  # never joins a call hung in user code
 
 
-def resolve_reward_function(spec: str) -> RewardFunction:
+def resolve_reward_function(spec: str, convention: str = "streamrft") -> RewardFunction:
     """A built-in rule name (see RULES), a custom ``module:function`` / ``file.py:function`` spec, or
     ``model:DIR`` with DIR an existing directory: a reward model trained by ``streamrft train-rm``
     (streamrft.rm.reward.ModelReward, which has the same ``name`` / ``async score(items)`` shape). A
-    ``model:name`` whose DIR is not a directory is read as a custom function in a module called ``model``."""
+    ``model:name`` whose DIR is not a directory is read as a custom function in a module called ``model``.
+
+    ``convention`` (``serve-reward --convention``): how a custom function is called (streamrft, trl, verl,
+    openrlhf or auto; streamrft.rewards.conventions); ValueError for a signature that does not fit it.
+    Rules and reward models are StreamRFT's own: another convention for them is an error."""
+    builtin = spec in RULES or (spec.startswith("model:") and os.path.isdir(spec.removeprefix("model:")))
+    if builtin and convention not in ("streamrft", "auto"):
+        raise ValueError(f"--convention {convention} is for custom functions (module:function); {spec!r} is a "
+                         "built-in rule or reward model, which StreamRFT calls itself: drop --convention")
     if spec.startswith("model:") and os.path.isdir(spec.removeprefix("model:")):
         from streamrft.rm.reward import ModelReward
 
@@ -52,7 +60,12 @@ def resolve_reward_function(spec: str) -> RewardFunction:
         return RewardFunction(RULES[spec], name=spec)
     if ":" not in spec:
         raise ValueError(f"reward function {spec!r} is neither a rule ({', '.join(sorted(RULES))}) nor module:function")
-    return RewardFunction(load_reward_function(spec), name=spec)
+    fn = load_reward_function(spec)
+    try:
+        resolved = resolve_convention(fn, convention, f"--fn {spec}", key="--convention")
+    except ConventionError as exc:
+        raise ValueError(str(exc)) from None
+    return RewardFunction(fn, name=spec, convention=resolved)
 
 
 def _build_rule(src: RewardSourceConfig, cfg: RewardConfig) -> tuple[RewardBackend, float]:
