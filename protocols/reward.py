@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from protocols.base import Message
+from protocols.pipeline import MediaRef
 
 
 class RewardItem(Message, kw_only=True):
@@ -19,6 +20,9 @@ class RewardItem(Message, kw_only=True):
     # the data row's other JSON-like fields (TRL's extra columns, verl's extra_info); see
     # streamrft.rewards.conventions.reward_columns
     columns: dict[str, Any] = {}
+    # the prompt's media by reference (path + sha256 on a filesystem the scorer shares), never pixels: a
+    # reward model that reads media (streamrft.rm.reward.ModelReward) decodes them, hash-checked
+    media: list[MediaRef] = []
 
 
 class RewardRequest(Message, kw_only=True):

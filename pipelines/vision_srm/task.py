@@ -22,7 +22,7 @@ import numpy as np
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 50, 220), "yellow": (230, 220, 40)}
 # pitch class -> frequency (Hz): C4, G5, E6, B6; a few octaves apart, so each tone has mel bins of its own
 NOTES = {"c": 261.63, "g": 783.99, "e": 1318.51, "b": 1975.53}
-ALPHABET = "abcdefghijklmnopqrstuvwxyz?[]: "
+ALPHABET = "abcdefghijklmnopqrstuvwxyzABCQV01?[]: "
 IMAGE_PROMPT, AUDIO_PROMPT = "colour?", "note?"
 RATE = 16000
 SIZE = 32
@@ -87,9 +87,10 @@ def write_media_pairs(out_dir: str | Path, name: str, n: int, seed: int, kind: s
     return _write_jsonl(out / f"{name}.jsonl", rows)
 
 
-def write_image_judgments(out_dir: str | Path, name: str, n: int, seed: int) -> str:
+def write_image_judgments(out_dir: str | Path, name: str, n: int, seed: int, pointwise: bool = False) -> str:
     """``n`` GRM rows ``{"prompt", "responses": [a, b], "judgment": "[[A]]" | "[[B]]", "image": path}``: the
-    right colour in a random slot."""
+    right colour in a random slot; ``pointwise``: ``"responses": [name]``, ``"judgment": "[[1]]"`` when the
+    name is the dominant colour else ``"[[0]]"`` (each with probability 1/2)."""
     out = Path(out_dir)
     media_dir = out / "images" / f"judge_{name}"
     media_dir.mkdir(parents=True, exist_ok=True)
@@ -101,6 +102,10 @@ def write_image_judgments(out_dir: str | Path, name: str, n: int, seed: int) -> 
         path = media_dir / f"{i}.png"
         _write_image(colour_image(answer, rng), path)
         first = rng.random() < 0.5
+        if pointwise:
+            rows.append({"prompt": IMAGE_PROMPT, "responses": [answer if first else wrong],
+                         "judgment": "[[1]]" if first else "[[0]]", "image": str(path.resolve())})
+            continue
         rows.append({"prompt": IMAGE_PROMPT, "responses": [answer, wrong] if first else [wrong, answer],
                      "judgment": "[[A]]" if first else "[[B]]", "image": str(path.resolve())})
     return _write_jsonl(out / f"{name}.jsonl", rows)

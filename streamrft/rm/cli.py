@@ -4,6 +4,9 @@
     streamrft eval-rm CONFIG.yaml [key=value ...]           held-out accuracy of CONFIG's output_dir on its eval split
     streamrft eval-rm --model DIR --data FILE               held-out accuracy of a trained RM on FILE
 
+Media RMs (trained with data.image_field / video_field / audio_field) read the held-out rows' media with
+the field names and video sampling recorded in their rm.json, so ``--model DIR --data FILE`` needs no flags.
+
 eval-rm prints one JSON line: for an SRM ``pairwise_accuracy`` over non-tie pairs (reward(chosen) >
 reward(rejected)); for a GRM ``verdict_accuracy`` (greedy verdict equals the judgment row's verdict).
 """
@@ -46,21 +49,24 @@ def train_rm_main(argv: list[str]) -> int:
 
 def evaluate_rm(model_dir: str, data_path: str) -> dict:
     """Accuracy of the trained RM in ``model_dir`` on the rows of ``data_path``."""
-    from streamrft.rm.model import rm_kind
+    from pathlib import Path
+
+    from streamrft.rm.model import RM_META, rm_kind
 
     kind = rm_kind(model_dir)
+    media = json.loads((Path(model_dir) / RM_META).read_text()).get("media")
     if kind == "srm":
         from streamrft.rm.data import read_preference_pairs
         from streamrft.rm.model import ScalarRewardModel
         from streamrft.rm.train import srm_accuracy
 
-        pairs = read_preference_pairs(data_path)
+        pairs = read_preference_pairs(data_path, media)
         acc = srm_accuracy(ScalarRewardModel.from_pretrained(model_dir), pairs)
         return {"kind": kind, "pairwise_accuracy": acc, "n_pairs": sum(not p.tie for p in pairs), "data": data_path}
     from streamrft.rm.data import read_judgments
     from streamrft.rm.judge import GenerativeJudge, judge_accuracy
 
-    rows = read_judgments(data_path)
+    rows = read_judgments(data_path, media)
     acc = judge_accuracy(GenerativeJudge.from_pretrained(model_dir), rows)
     return {"kind": kind, "verdict_accuracy": acc, "n_rows": len(rows), "data": data_path}
 

@@ -147,7 +147,7 @@ def train_srm(cfg: RMTrainConfig) -> dict:
 def train_grm(cfg: RMTrainConfig) -> dict:
     """Fine-tune a GenerativeJudge per ``cfg`` (loss on the judgment tokens); save; return the summary."""
     from streamrft.learner.sft import supervised_warmup
-    from streamrft.rm.judge import GenerativeJudge, judge_accuracy
+    from streamrft.rm.judge import GenerativeJudge, judge_accuracy, train_media_judge
 
     torch.manual_seed(cfg.seed)
     train_rows, eval_rows = _split(cfg, read_judgments)
@@ -155,15 +155,20 @@ def train_grm(cfg: RMTrainConfig) -> dict:
     if len(sizes) != 1:
         raise DataError(f"{cfg.data.train_path}: rows mix 1 and 2 responses; a judge is either pairwise (2) or "
                         "pointwise (1), split the file")
-    judge = GenerativeJudge.from_base(cfg.model.path, cfg.grm, "pairwise" if sizes == {2} else "pointwise")
+    judge = GenerativeJudge.from_base(cfg.model.path, cfg.grm, "pairwise" if sizes == {2} else "pointwise",
+                                      media_fields(cfg.data))
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train.jsonl").unlink(missing_ok=True)
-    sft_rows = [{"prompt": judge.judge_prompt(r.prompt, r.responses), "reference": r.judgment} for r in train_rows]
     start = time.perf_counter()
     t = cfg.train
-    losses = supervised_warmup(judge.model, judge.tokenizer, sft_rows, steps=t.steps, lr=t.lr,
-                               batch_size=t.batch_size, seed=cfg.seed, log_every=t.log_every)
+    if judge.media:
+        losses = train_media_judge(judge, train_rows, steps=t.steps, lr=t.lr, batch_size=t.batch_size, seed=cfg.seed,
+                                   log_every=t.log_every)
+    else:
+        sft_rows = [{"prompt": judge.judge_prompt(r.prompt, r.responses), "reference": r.judgment} for r in train_rows]
+        losses = supervised_warmup(judge.model, judge.tokenizer, sft_rows, steps=t.steps, lr=t.lr,
+                                   batch_size=t.batch_size, seed=cfg.seed, log_every=t.log_every)
     for i in range(t.log_every - 1 if t.log_every else len(losses), len(losses), t.log_every or 1):
         window = losses[max(0, i + 1 - t.log_every): i + 1]
         _log_record(out, {"step": i + 1, "loss": sum(window) / len(window)})

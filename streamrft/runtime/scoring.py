@@ -119,6 +119,7 @@ class RewardScorerStage(_ConcurrentStage):
             label=completion.label,
             images=_images_of(completion),
             columns=completion.columns,
+            media=list(completion.media),  # by reference: a media reward model reads the files (hash-checked)
         )
         (outcome,) = await self.scorer.score([item], step=completion.step)  # tallied for the failure policy
         error = outcome.error

@@ -1,0 +1,144 @@
+"""Reward models on media rows (issue 19 item 2), fast checks on a tiny Qwen2-VL: row reading errors, config
+checks, padding invariance, save/load, eval-rm on media rows, ModelReward on items carrying MediaRefs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from protocols import RewardItem, decode, encode
+from streamrft.config.base import ConfigError
+from streamrft.data.media import MediaError
+from streamrft.rm.config import RMDataConfig, RMModelConfig, RMTrainConfig, validate_rm_config
+from streamrft.rm.data import read_judgments, read_preference_pairs
+from streamrft.rm.model import ScalarRewardModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from pipelines.vision_srm.task import ALPHABET, write_image_judgments, write_media_pairs  # noqa: E402
+
+IMAGE = {"image_field": "image", "video_field": "", "audio_field": "", "max_video_frames": 16, "video_fps": 0.0}
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    from streamrft.models.vl import build_tiny_qwen2_vl
+
+    root = tmp_path_factory.mktemp("rm_media")
+    backbone = build_tiny_qwen2_vl(str(root / "vl"), ALPHABET, num_layers=1)
+    pairs = write_media_pairs(root, "pairs", 6, seed=0, kind="image")
+    return root, backbone, pairs
+
+
+def test_media_pairs_carry_refs_and_a_missing_field_or_file_names_file_row_field(vl, tmp_path):
+    root, _, pairs_path = vl
+    pairs = read_preference_pairs(pairs_path, IMAGE)
+    first = json.loads(Path(pairs_path).read_text().splitlines()[0])
+    assert [(r.path, r.kind, r.field) for r in pairs[0].media] == [(first["image"], "image", "image")]
+    assert read_preference_pairs(pairs_path)[0].media == []  # text reading ignores the field
+    rows = [dict(first), {k: v for k, v in first.items() if k != "image"}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(MediaError, match=rf"^{bad} row 1 field 'image': the row has no media field 'image'"):
+        read_preference_pairs(bad, IMAGE)
+    rows[1]["image"] = str(tmp_path / "gone.png")
+    bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(MediaError, match=rf"^{bad} row 1 field 'image': image file '.*gone.png' does not exist"):
+        read_preference_pairs(bad, IMAGE)
+    judged = read_judgments(write_image_judgments(tmp_path, "j", 3, seed=0), IMAGE)
+    assert all(len(r.media) == 1 and r.media[0].kind == "image" for r in judged)
+
+
+def test_config_checks_media_fields_against_the_backbone(vl, tmp_path):
+    from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
+
+    root, backbone, pairs = vl
+    text = str(tmp_path / "text")
+    build_tiny_qwen2(text, build_char_tokenizer(text, ALPHABET), hidden_size=16, num_layers=1, num_heads=2,
+                     num_kv_heads=1, intermediate_size=32)
+    cfg = RMTrainConfig(model=RMModelConfig(path=text), data=RMDataConfig(train_path=pairs, image_field="image"))
+    with pytest.raises(ConfigError, match=r"data.image_field='image' needs a vision-language backbone \(Qwen2-VL\), "
+                                          r"but model.path=.* is a 'qwen2' model"):
+        validate_rm_config(cfg)
+    cfg = RMTrainConfig(model=RMModelConfig(path=backbone), data=RMDataConfig(train_path=pairs))
+    with pytest.raises(ConfigError, match=r"is a qwen2_vl model but no media field is set; set data.image_field"):
+        validate_rm_config(cfg)
+    cfg = RMTrainConfig(model=RMModelConfig(path=backbone), data=RMDataConfig(train_path=pairs, audio_field="audio"))
+    with pytest.raises(ConfigError, match=r"data.audio_field='audio' needs an audio-language backbone"):
+        validate_rm_config(cfg)
+    cfg = RMTrainConfig(model=RMModelConfig(path=backbone), data=RMDataConfig(train_path=pairs, image_field="image"))
+    validate_rm_config(cfg)
+    cfg.train.lm_coef = 0.5
+    with pytest.raises(ConfigError, match=r"train.lm_coef=0.5 applies to text backbones only"):
+        validate_rm_config(cfg)
+
+
+def test_a_left_padded_media_row_scores_like_the_row_alone_and_the_image_matters(vl):
+    _, backbone, pairs_path = vl
+    pairs = read_preference_pairs(pairs_path, IMAGE)
+    rm = ScalarRewardModel.from_backbone(backbone, num_heads=2, media=IMAGE)
+    prompts = [pairs[0].prompt, pairs[1].prompt]
+    responses = ["red", "yellow"]  # different lengths: row 0 is left-padded
+    together = rm.score(prompts, responses, media=[pairs[0].media, pairs[1].media])
+    alone = rm.score(prompts[:1], responses[:1], media=[pairs[0].media])
+    assert together[0] == pytest.approx(alone[0], abs=1e-5)
+    other = next(p for p in pairs if p.chosen != pairs[0].chosen)
+    swapped = rm.score(prompts[:1], responses[:1], media=[other.media])
+    assert abs(swapped[0] - alone[0]) > 1e-6  # the pixels reach the reward
+    with pytest.raises(ValueError, match=r"this reward model reads media .* give one list of media refs per row"):
+        rm.score(prompts, responses)
+
+
+def test_saved_media_rm_round_trips_and_eval_rm_reads_its_media_fields(vl, tmp_path, capsys):
+    from streamrft.rm.cli import eval_rm_main
+
+    _, backbone, pairs_path = vl
+    pairs = read_preference_pairs(pairs_path, IMAGE)
+    rm = ScalarRewardModel.from_backbone(backbone, pooling="attention", media=IMAGE)
+    torch.nn.init.normal_(rm.attn.weight)
+    rm.save_pretrained(tmp_path / "rm")
+    assert json.loads((tmp_path / "rm" / "rm.json").read_text())["media"] == IMAGE
+    loaded = ScalarRewardModel.from_pretrained(tmp_path / "rm")
+    media = [p.media for p in pairs]
+    prompts, chosen, rejected = [p.prompt for p in pairs], [p.chosen for p in pairs], [p.rejected for p in pairs]
+    r_c, r_r = loaded.score(prompts, chosen, media=media), loaded.score(prompts, rejected, media=media)
+    assert r_c == pytest.approx(rm.score(prompts, chosen, media=media), abs=1e-5)
+    assert eval_rm_main(["--model", str(tmp_path / "rm"), "--data", pairs_path]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["n_pairs"] == len(pairs)
+    assert result["pairwise_accuracy"] == pytest.approx(sum(c > r for c, r in zip(r_c, r_r)) / len(pairs))
+
+
+def test_model_reward_scores_media_refs_and_fails_only_the_bad_item(vl, tmp_path):
+    from streamrft.rm.reward import ModelReward
+
+    _, backbone, pairs_path = vl
+    pairs = read_preference_pairs(pairs_path, IMAGE)
+    ScalarRewardModel.from_backbone(backbone, media=IMAGE).save_pretrained(tmp_path / "rm")
+    reward = ModelReward(str(tmp_path / "rm"), device="cpu")
+    items = [RewardItem(sample_id=f"s{i}", prompt=p.prompt, response=p.chosen, media=list(p.media))
+             for i, p in enumerate(pairs[:3])]
+    wire = decode(encode(RewardItem(sample_id="x", prompt="colour?", response="red", media=list(pairs[0].media))),
+                  RewardItem)
+    assert wire.media == list(pairs[0].media)  # refs cross the wire as path + sha256, never pixels
+    assert len(encode(wire)) < 400
+    expected = reward.rm.score([it.prompt for it in items], [it.response for it in items],
+                               media=[it.media for it in items])
+    assert asyncio.run(reward.score(items)) == pytest.approx(expected, abs=1e-5)
+    changed = tmp_path / "changed.png"
+    changed.write_bytes(Path(pairs[1].media[0].path).read_bytes())
+    bad_ref = type(pairs[1].media[0])(path=str(changed), sha256=pairs[1].media[0].sha256, kind="image", field="image")
+    changed.write_bytes(Path(pairs[2].media[0].path).read_bytes())  # content differs from the recorded hash now
+    no_media = RewardItem(sample_id="bare", prompt="colour?", response="red")
+    out = asyncio.run(reward.score([items[0], msgspec.structs.replace(items[1], media=[bad_ref]), no_media]))
+    assert out[0] == pytest.approx(expected[0], abs=1e-5)
+    assert isinstance(out[1], ValueError) and "changed since it was referenced" in str(out[1])
+    assert str(out[1]).startswith("sample s1: ")
+    assert isinstance(out[2], ValueError) and str(out[2]).startswith(
+        "sample bare: this reward model reads the prompt's media (image_field='image') but the item has no media refs")
+
