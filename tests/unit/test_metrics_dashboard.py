@@ -40,6 +40,10 @@ def exercise_every_metric(metrics: PipelineMetrics) -> None:
     metrics.samples_trained.inc()
     metrics.samples_filtered.labels(reason="zero_std").inc()
     metrics.samples_failed.labels(reason="reward_error").inc()
+    metrics.env_turns_per_episode.observe(3)
+    metrics.env_tool_calls.inc(2)
+    metrics.env_tool_errors.labels(reason="timeout").inc()
+    metrics.env_tool_seconds.observe(0.5)
 
 
 def scraped_names() -> set[str]:
@@ -73,7 +77,9 @@ def test_the_dashboard_covers_each_area_of_the_pipeline():
                    "streamrft_stage_queue_depth", "streamrft_stage_credits", "streamrft_stage_in_flight",
                    "streamrft_sample_staleness_versions", "streamrft_reward_mean", "streamrft_reward_std",
                    "streamrft_loss", "streamrft_kl", "streamrft_grad_norm", "streamrft_learning_rate",
-                   "streamrft_samples_filtered_total", "streamrft_samples_failed_total"):
+                   "streamrft_samples_filtered_total", "streamrft_samples_failed_total",
+                   "streamrft_env_turns_per_episode_bucket", "streamrft_env_tool_calls_total",
+                   "streamrft_env_tool_errors_total", "streamrft_env_tool_seconds_bucket"):
         assert needed in text, needed
 
 
