@@ -25,7 +25,7 @@ log = logging.getLogger("streamrft")
 async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: int, all_reduce_sum, limit: int = 0, correct_threshold: float = 1.0, media=None, chat_template: str = "auto", system_prompt: str = "") -> dict[str, float]:
     rows = dataset.rows[:limit] if limit else dataset.rows
     mine = rows[rank::world_size]
-    requests, mm, kept, errors, texts = [], {}, [], 0, {}
+    requests, mm, kept, errors, texts, refs = [], {}, [], 0, {}, {}
     prompt_field = getattr(dataset, "fields", {}).get("prompt", "prompt")  # for errors: the field data.format read
     for i, r in enumerate(mine):
         if media is None:  # the Generator's rendering: text as-is, messages through the chat template
@@ -35,7 +35,8 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
             from streamrft.data.media import MediaError
 
             try:
-                inputs = media.inputs(r.prompt, media.refs(r, dataset.path), f"{dataset.path} row {r.row}")
+                refs[i] = media.refs(r, dataset.path)
+                inputs = media.inputs(r.prompt, refs[i], f"{dataset.path} row {r.row}")
             except MediaError as exc:
                 errors += 1
                 log.warning("evaluation rank %d: %s", rank, exc)
@@ -54,6 +55,7 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
             reference=r.reference,
             label=r.label,
             columns=reward_columns(r.extra, r.prompt),
+            media=refs.get(i, []),  # as the reward stage: a media reward model scores the prompt's media too
         )
         for i, r in kept
     ]
