@@ -36,7 +36,7 @@ def _check(*overrides: str) -> None:
 
 
 def test_builtins_are_registered_and_scripted_answers_its_script_then_ends():
-    assert {"scripted", "echo"} <= set(registered_environments())
+    assert {"scripted", "echo", "tools"} <= set(registered_environments())
     env = load_environment("scripted", observations=["a", "b"], rewards=[0.5, 0.0, 2.0], role="user")()
     steps = [asyncio.run(env.step(f"t{i}")) for i in range(3)]
     assert [(s.observation, s.reward, s.done, s.role) for s in steps] == [
@@ -63,7 +63,7 @@ def test_module_class_and_file_specs_load_and_their_kwargs_are_checked(tmp_path)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["env.name=nope"], "env.name 'nope' is neither a registered environment (echo, scripted"),
+    (["env.name=nope"], "env.name 'nope' is neither a registered environment (echo, scripted, tools)"),
     (["env.name=scripted", "env.max_turns=0"], "env.max_turns=0 must be >= 1"),
     (["env.name=scripted", "env.max_tokens=3"], "env.max_tokens=3 is below engine.max_new_tokens="),
     (["env.max_turns=3"], "env.max_turns=3 is set but env.name is empty"),
