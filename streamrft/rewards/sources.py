@@ -14,6 +14,7 @@ from typing import Callable, Protocol, Sequence
 from protocols import RewardItem
 from streamrft.config.base import ConfigError
 from streamrft.config.reward import RewardConfig, RewardSourceConfig
+from streamrft.models.hub import looks_like_hub_id
 from streamrft.rewards.conventions import ConventionError, resolve_convention
 from streamrft.rewards.custom import RewardFunction, load_reward_function
 from streamrft.rewards.rules import RULES
@@ -41,21 +42,25 @@ class LocalFunctionBackend:
 
 def resolve_reward_function(spec: str, convention: str = "streamrft") -> RewardFunction:
     """A built-in rule name (see RULES), a custom ``module:function`` / ``file.py:function`` spec, or
-    ``model:DIR`` with DIR an existing directory: a reward model trained by ``streamrft train-rm``
+    ``model:DIR`` with DIR an existing directory (or ``model:org/name``, its hub id in the local Hugging Face
+    cache): a reward model trained by ``streamrft train-rm``
     (streamrft.rm.reward.ModelReward, which has the same ``name`` / ``async score(items)`` shape). A
     ``model:name`` whose DIR is not a directory is read as a custom function in a module called ``model``.
 
     ``convention`` (``serve-reward --convention``): how a custom function is called (streamrft, trl, verl,
     openrlhf or auto; streamrft.rewards.conventions); ValueError for a signature that does not fit it.
     Rules and reward models are StreamRFT's own: another convention for them is an error."""
-    builtin = spec in RULES or (spec.startswith("model:") and os.path.isdir(spec.removeprefix("model:")))
+    rm = spec.removeprefix("model:") if spec.startswith("model:") else None
+    # model:DIR, or model:org/name (a hub id: a function name has no '/'), resolved by ModelReward
+    is_rm = rm is not None and (os.path.isdir(rm) or ("/" in rm and looks_like_hub_id(rm)))
+    builtin = spec in RULES or is_rm
     if builtin and convention not in ("streamrft", "auto"):
         raise ValueError(f"--convention {convention} is for custom functions (module:function); {spec!r} is a "
                          "built-in rule or reward model, which StreamRFT calls itself: drop --convention")
-    if spec.startswith("model:") and os.path.isdir(spec.removeprefix("model:")):
+    if is_rm:
         from streamrft.rm.reward import ModelReward
 
-        return ModelReward(spec.removeprefix("model:"))  # type: ignore[return-value]
+        return ModelReward(rm)  # type: ignore[return-value]
     if spec in RULES:
         return RewardFunction(RULES[spec], name=spec)
     if ":" not in spec:

@@ -66,12 +66,24 @@ def _validate_weights(src, where: str) -> None:
 
 
 def validate_reward_paths(cfg) -> None:
-    """File checks, run with validate_config(check_paths=True): model sources must be trained RMs."""
+    """File checks, run with validate_config(check_paths=True): model sources must be trained RMs, given as a
+    directory or as a hub id in the local Hugging Face cache (resolved as model.path is: streamrft.models.hub)."""
+    from streamrft.models.hub import resolve_model_dir
+
     for i, src in enumerate(cfg.reward.sources):
-        if src.type == "model" and not (Path(src.model_path) / "rm.json").is_file():
+        if src.type != "model":
+            continue
+        key = f"reward.sources[{i}] ({src.name!r}).model_path"
+        model_dir = src.model_path
+        if not Path(model_dir).is_dir():  # a hub id in the local cache (a directory is checked for rm.json below)
+            try:
+                model_dir = resolve_model_dir(src.model_path, key)
+            except ValueError as exc:
+                raise ConfigError(f"{exc}; it must be a reward model written by `streamrft train-rm CONFIG`") from None
+        if not (Path(model_dir) / "rm.json").is_file():
             raise ConfigError(
-                f"reward.sources[{i}] ({src.name!r}).model_path={src.model_path!r} is not a trained reward model "
-                "(no rm.json); train one with `streamrft train-rm CONFIG`"
+                f"{key}={src.model_path!r} is not a trained reward model (no rm.json"
+                f"{'' if model_dir == src.model_path else f' in {model_dir}'}); train one with `streamrft train-rm CONFIG`"
             )
 
 
@@ -82,7 +94,8 @@ def _validate_by_type(src, where: str) -> None:
         )
     if src.type == "model":
         if not src.model_path:
-            raise ConfigError(f"{where}.model_path is empty; set it to a directory written by `streamrft train-rm`")
+            raise ConfigError(f"{where}.model_path is empty; set it to a directory written by `streamrft train-rm` "
+                              "(or its hub id in the local Hugging Face cache)")
     if src.type == "rule" and src.fn not in RULES:
         raise ConfigError(f"{where}.fn={src.fn!r} is not a rule; valid rules: {', '.join(sorted(RULES))}")
     if src.type == "custom":

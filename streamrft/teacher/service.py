@@ -128,7 +128,8 @@ def serve_teacher(model_dir: str, bind: str = "tcp://127.0.0.1:0", device: str =
 
 def serve_teacher_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="streamrft serve-teacher", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="Hugging Face model directory of the teacher")
+    parser.add_argument("--model", required=True, help="the teacher: a Hugging Face model directory or a hub id in the "
+                        "local Hugging Face cache")
     parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ address to bind (loopback by default)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
