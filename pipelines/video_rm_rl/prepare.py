@@ -1,0 +1,87 @@
+"""Everything the video RM RL demo trains from, under one folder (default runs/video_rm_rl):
+
+- videos and rows: train.jsonl / eval.jsonl (RL prompts, mp4 files), rm_train.jsonl / rm_eval.jsonl
+  (preference pairs on other videos) (task.py);
+- policy: a tiny Qwen2-VL with a short supervised warm-up (``sft_steps``): it learns the answer format and
+  part of the skill, so RL has room to raise it (sft/);
+- reward-model backbone: a fresh tiny Qwen2-VL of the same shape, other seed (rm_base/); the RM itself is
+  trained from it by `streamrft train-rm pipelines/video_rm_rl/rm.yaml` (demo.py does it).
+
+    python -m pipelines.video_rm_rl.prepare --out runs/video_rm_rl
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from streamrft.models.multimodal import build_model_inputs, collate_prompts, load_multimodal_policy, response_logprobs_batch
+from streamrft.models.vl import build_tiny_qwen2_vl
+
+from pipelines.video_rm_rl.task import ALPHABET, PROMPT, make_examples, write_split
+
+SHAPE = dict(hidden_size=64, num_layers=2, vision_dim=64, image_size=16)  # 32/1 learns no colour from video
+
+
+def video_inputs(processor, examples) -> list[dict]:
+    return [build_model_inputs(processor, PROMPT, {"videos": [[Image.fromarray(f) for f in frames]]})
+            for frames, _ in examples]
+
+
+def warm_up(base: str, out: str, steps: int, batch_size: int = 32, lr: float = 3e-3, seed: int = 0) -> float:
+    """Supervised warm-up of the policy on fresh examples; saves to ``out``; returns the last loss."""
+    torch.manual_seed(seed)
+    model, processor, _ = load_multimodal_policy(base)
+    tok = processor.tokenizer
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        examples = make_examples(batch_size, seed=1000 + step)
+        batch = collate_prompts(video_inputs(processor, examples), tok.pad_token_id)
+        targets = [tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, c in examples]
+        logp_BT, mask_BT = response_logprobs_batch(model, batch, targets)
+        loss = -(logp_BT * mask_BT).sum() / mask_BT.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return float(loss.detach())
+
+
+def prepare(out: str, sft_steps: int = 30, n_train: int = 2000, n_eval: int = 200, n_pairs: int = 2000,
+            n_pair_eval: int = 200) -> None:
+    """Idempotent per part: a part whose output exists is kept (delete the folder to start afresh)."""
+    t0 = time.time()
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "sft" / "config.json").is_file():
+        build_tiny_qwen2_vl(str(root / "base"), ALPHABET, seed=0, **SHAPE)
+        loss = warm_up(str(root / "base"), str(root / "sft"), sft_steps)
+        print(f"policy warm-up: {sft_steps} steps, loss {loss:.3f}")
+    if not (root / "rm_base" / "config.json").is_file():
+        build_tiny_qwen2_vl(str(root / "rm_base"), ALPHABET, seed=1, **SHAPE)
+    for name, n, seed, pairs in (("train", n_train, 11, False), ("eval", n_eval, 7, False),
+                                 ("rm_train", n_pairs, 21, True), ("rm_eval", n_pair_eval, 23, True)):
+        if not (root / f"{name}.jsonl").is_file():
+            write_split(out, name, n, seed, pairs=pairs)
+    print(f"prepared {out} in {time.time() - t0:.1f}s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="runs/video_rm_rl")
+    ap.add_argument("--sft_steps", type=int, default=30)
+    ap.add_argument("--n_train", type=int, default=2000)
+    ap.add_argument("--n_eval", type=int, default=200)
+    ap.add_argument("--n_pairs", type=int, default=2000)
+    args = ap.parse_args()
+    prepare(args.out, args.sft_steps, args.n_train, args.n_eval, args.n_pairs)
+
+
+if __name__ == "__main__":
+    main()
