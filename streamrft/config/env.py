@@ -54,8 +54,6 @@ def validate_env(cfg, check_paths: bool = True) -> None:
     if cfg.data.chat_template == "none":
         raise ConfigError(f"env.name={e.name!r} renders observations with the chat template, but "
                           "data.chat_template=none; set data.chat_template=auto (the tokenizer's) or to a Jinja file")
-    if check_paths and cfg.model.path:
-        _check_renderer(cfg)
     if not e.address:
         for key, default in (("timeout_s", 30.0), ("retries", 3)):
             if getattr(e, key) != default:
@@ -67,22 +65,27 @@ def validate_env(cfg, check_paths: bool = True) -> None:
                               "(a streamrft serve-env service), or empty for an in-process environment")
         if not e.timeout_s > 0 or e.retries < 0:
             raise ConfigError(f"env.timeout_s={e.timeout_s} must be > 0 and env.retries={e.retries} >= 0")
+        if check_paths and cfg.model.path:
+            _check_renderer(cfg, ("user",))  # the service's roles are not known here; user at least
         return  # the service resolves the name; nothing to import here
     from streamrft.envs.base import EnvSpecError, load_environment
 
     try:
         # one instance is built (not reset): a constructor that refuses its kwargs fails here, not mid-run;
         # constructors must be cheap and hold no resources (those belong in reset), see docs/agents.md
-        load_environment(e.name, **e.kwargs)()
+        env = load_environment(e.name, **e.kwargs)()
     except EnvSpecError as exc:
         raise ConfigError(str(exc)) from None
     except Exception as exc:  # the module's own code failed while importing, or the class refused its kwargs
         raise ConfigError(f"env.name={e.name!r}: {type(exc).__name__}: {exc}") from None
+    if check_paths and cfg.model.path:
+        # the roles the environment answers with (an optional ``observation_roles`` attribute; user by default)
+        _check_renderer(cfg, tuple(getattr(env, "observation_roles", None) or ("user",)))
 
 
-def _check_renderer(cfg) -> None:
-    """The chat template can render an observation message (role user) token-in/token-out: told now, from
-    the tokenizer files alone, not after the model is loaded."""
+def _check_renderer(cfg, roles: tuple[str, ...]) -> None:
+    """The chat template can render an observation message of each of ``roles`` token-in/token-out: told
+    now, from the tokenizer files alone, not after the model is loaded."""
     from streamrft.envs.render import ObservationRenderer
     from streamrft.models.hub import resolve_model_dir
 
@@ -93,6 +96,8 @@ def _check_renderer(cfg) -> None:
     except (ValueError, OSError):  # a bad model path is reported by validate_model with its own message
         return
     try:
-        ObservationRenderer(tokenizer, cfg.data.chat_template).check("user")
+        renderer = ObservationRenderer(tokenizer, cfg.data.chat_template)
+        for role in roles:
+            renderer.check(role)
     except ValueError as exc:
         raise ConfigError(f"env.name={cfg.env.name!r}, model.path={cfg.model.path}: {exc}") from None

@@ -33,6 +33,7 @@ class ScriptedEnvironment:
                 f"({len(self.observations) + 1} = len(observations) + 1)"
             )
         self.role = _check_role(role, "scripted")
+        self.observation_roles = (self.role,)  # checked against the chat template before the run (validate_env)
         self.greeting = greeting
         self.actions: list[str] = []
         self.closed = False
@@ -64,6 +65,7 @@ class EchoEnvironment:
         self.turns = int(turns)
         self.target = target
         self.count = 0
+        self.observation_roles = ("user",)
 
     async def reset(self, row: dict) -> str | None:
         self.count = 0

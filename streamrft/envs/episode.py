@@ -62,11 +62,15 @@ class Episode:
 
 
 def _add_info(episode: Episode, step: EnvStep) -> None:
+    reasons = step.info.get("tool_error_reasons")  # every error's reason; else the one tool_error_reason
+    if isinstance(reasons, (list, tuple)):
+        episode.tool_error_reasons += [str(r) for r in reasons if r]
+    elif step.info.get("tool_error_reason"):
+        episode.tool_error_reasons.append(str(step.info["tool_error_reason"]))
     for key, value in step.info.items():
-        if key == "tool_error_reason":
-            if value:
-                episode.tool_error_reasons.append(str(value))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if key in ("tool_error_reason", "tool_error_reasons"):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
             episode.info[key] = episode.info.get(key, 0.0) + float(value)
 
 

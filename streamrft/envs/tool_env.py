@@ -139,6 +139,7 @@ class ToolEnvironment:
     # (each sandbox is a process that may use a core until its limit): one semaphore per value.
     _slots: dict[int, threading.BoundedSemaphore] = {}
     _slots_lock = threading.Lock()
+    observation_roles = ("tool",)  # its answers' chat role: validate_env checks the template renders it
 
     def __init__(self, tools: list[str] | tuple[str, ...] = TOOL_NAMES, limits: dict | None = None,
                  max_calls_per_turn: int = 4, calculator_max_digits: int = 1000, max_concurrent: int = 2) -> None:

@@ -91,3 +91,18 @@ def test_a_model_whose_template_cannot_render_observations_is_refused_from_its_t
     with pytest.raises(ConfigError, match="env.name needs a chat template to render observations, but the tokenizer .* has none"):
         validate_env(cfg, check_paths=True)
     _check("env.name=scripted", "env.kwargs={observations: [a], role: user}")  # valid without paths
+
+
+def test_the_roles_an_environment_answers_with_are_checked_against_the_chat_template(tmp_path):
+    from streamrft.config.env import validate_env
+    from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
+
+    tok = build_char_tokenizer(str(tmp_path), "0123456789", chat=True)  # its template knows system/user/assistant
+    build_tiny_qwen2(str(tmp_path), tok, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=8)
+    ok = load_config(None, [*BASE, f"model.path={tmp_path}", "env.name=scripted", "env.kwargs={role: user}"])
+    validate_env(ok, check_paths=True)
+    for env in ("env.kwargs={role: tool}", "env.name=tools"):
+        cfg = load_config(None, [*BASE, f"model.path={tmp_path}", "env.name=scripted", env])
+        with pytest.raises(ConfigError, match=r"observation with role 'tool': the chat template cannot render "
+                                               r"message role\(s\) \['tool'\]"):
+            validate_env(cfg, check_paths=True)
