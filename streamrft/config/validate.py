@@ -137,7 +137,8 @@ def validate_data(cfg) -> None:
 
     d = cfg.data
     if not d.train_path:
-        raise ConfigError("data.train_path is empty; set it to a jsonl or parquet file of prompts")
+        raise ConfigError("data.train_path is empty; set it to a jsonl, parquet or arrow file of prompts (or a datasets "
+                          "save_to_disk directory)")
     for key in ("train_path", "eval_path"):
         value = getattr(d, key)
         if value and is_datasets_source(value):
@@ -160,14 +161,14 @@ def validate_video(cfg) -> None:
     """Video settings, and PyAV present when the first training row's video field names a video file (a frame
     list needs no decoder): told before start, not when the first group is admitted."""
     from streamrft.data.media import VIDEO_EXTRA_HINT, have_video_decoder, split_videos
-    from streamrft.data.rows import first_row, is_datasets_source
+    from streamrft.data.rows import first_row, needs_datasets_library
 
     d = cfg.data
     if d.max_video_frames < 0:
         raise ConfigError(f"data.max_video_frames={d.max_video_frames} must be >= 0 (0 keeps every frame)")
     if d.video_fps < 0:
         raise ConfigError(f"data.video_fps={d.video_fps} must be >= 0 (0 keeps every decoded frame)")
-    if not d.video_field or is_datasets_source(d.train_path) or have_video_decoder():
+    if not d.video_field or needs_datasets_library(d.train_path) or have_video_decoder():
         return
     row = first_row(d.train_path)
     value = row.get(d.video_field) if isinstance(row, dict) else None
@@ -184,11 +185,11 @@ def validate_chat_template_present(cfg) -> None:
     files alone, not after the model is loaded."""
     from streamrft.data.chat import is_messages
     from streamrft.data.formats import field_mapping, get_field, written_roles
-    from streamrft.data.rows import first_row, is_datasets_source
+    from streamrft.data.rows import first_row, needs_datasets_library
     from streamrft.models.hub import resolve_model_dir
 
     d = cfg.data
-    if not cfg.model.path or is_datasets_source(d.train_path):
+    if not cfg.model.path or needs_datasets_library(d.train_path):
         return
     row = first_row(d.train_path)  # one row, not the whole file
     if row is None:

@@ -98,9 +98,9 @@ def test_config_format_key_and_datasets_sources(tmp_path):
     if importlib.util.find_spec("datasets") is not None:
         pytest.skip("the datasets library is installed here; the not-installed error cannot be shown")
     cfg = load_config(None, ["data.train_path=openai/gsm8k:train"])
-    with pytest.raises(ConfigError, match=r"data.train_path: dataset 'openai/gsm8k:train' is a datasets directory or "
-                                          r"hub id, which needs the `datasets` library \(not installed\): pip install "
-                                          r"'streamrft\[datasets\]'"):
+    with pytest.raises(ConfigError, match=r"data.train_path: dataset 'openai/gsm8k:train' is a hub id \(not a local "
+                                          r"file or directory\), which needs the `datasets` library \(not installed\): "
+                                          r"pip install 'streamrft\[datasets\]'"):
         validate_data(cfg)
     with pytest.raises(DataError, match=r"needs the `datasets` library \(not installed\)"):
         PromptDataset("openai/gsm8k")
