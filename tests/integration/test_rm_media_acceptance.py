@@ -1,0 +1,123 @@
+"""Acceptance (issue 19 item 2): media reward models trained by `streamrft train-rm` on synthetic preferences
+(pipelines/vision_srm): a vision SRM and an audio SRM reach >= 85% held-out pairwise accuracy, an image GRM
+beats chance (50%) by >= 15 points; the vision SRM served by a real `serve-reward --fn model:DIR` process
+scores items whose media travel by reference exactly as in process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from protocols import RewardItem, RewardRequest, encode
+from streamrft.rm.cli import eval_rm_main, train_rm_main
+from streamrft.rm.data import read_preference_pairs
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from pipelines.vision_srm.prepare import prepare  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CONFIGS = ROOT / "pipelines" / "vision_srm"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vision_srm")
+    prepare(str(out))
+    return out
+
+
+def _train(config: str, out: Path, capsys, *overrides: str) -> dict:
+    data = {"image": "image", "audio": "audio", "judge": "judge"}
+    args = [str(CONFIGS / config), f"output_dir={out / Path(config).stem}", *overrides]
+    base = "judge" if config == "grm.yaml" else ("audio" if config == "audio.yaml" else "image")
+    args += [f"data.train_path={out / f'{data[base]}_train.jsonl'}", f"data.eval_path={out / f'{data[base]}_eval.jsonl'}",
+             f"model.path={out / {'image': 'vl', 'audio': 'al', 'judge': 'vl_judge'}[base]}"]
+    assert train_rm_main(args) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("summary: ")][-1]
+    return json.loads(line.removeprefix("summary: "))
+
+
+def test_vision_srm_reaches_85_percent_and_is_served_by_reference(prepared, capsys):
+    from streamrft.rm.reward import ModelReward
+
+    summary = _train("config.yaml", prepared, capsys)
+    print(f"vision SRM: {summary}")
+    assert summary["eval_pairwise_accuracy"] >= 0.85
+    rm_dir = prepared / "config"
+    assert eval_rm_main(["--model", str(rm_dir), "--data", str(prepared / "image_eval.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1])["pairwise_accuracy"] == summary["eval_pairwise_accuracy"], out
+
+    pairs = read_preference_pairs(prepared / "image_eval.jsonl", {"image_field": "image"})[:8]
+    items = [RewardItem(sample_id=f"s{i}", prompt=p.prompt, response=r, media=list(p.media))
+             for i, p in enumerate(pairs) for r in (p.chosen, p.rejected)]
+    request = encode(RewardRequest(request_id="r", items=items))
+    pixels = sum(os.path.getsize(p.media[0].path) for p in pairs)  # each image once
+    assert b"\x89PNG" not in request and len(request) < 400 * len(items) < 2 * pixels  # refs on the wire, never pixels
+    expected = asyncio.run(ModelReward(str(rm_dir), device="cpu").score(items))
+    assert sum(expected[2 * i] > expected[2 * i + 1] for i in range(len(pairs))) >= 6  # it ranks pairs right
+    served = _serve_and_score(rm_dir, items)
+    assert served == pytest.approx(expected, abs=1e-5)
+
+
+def _serve_and_score(rm_dir: Path, items: list[RewardItem]) -> list[float]:
+    """Start `serve-reward --fn model:DIR` (ZeroMQ on 127.0.0.1), score ``items`` through RemoteRewardClient."""
+    from streamrft.rewards.remote import RemoteRewardClient
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "streamrft.rewards.service", "--fn", f"model:{rm_dir}",
+                             "--bind", "tcp://127.0.0.1:0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("serve-reward: ready"):
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(60) and proc.poll() is None, f"serve-reward did not start: {lines}"
+        address = next(m.group(1) for ln in lines if (m := re.match(r"serve-reward: listening on (tcp://\S+)", ln)))
+
+        async def go():
+            client = RemoteRewardClient(address, timeout_s=60.0)
+            try:
+                return await client.score(items)
+            finally:
+                await client.close()
+
+        return asyncio.run(go())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        reader.join(timeout=5)
+        proc.stdout.close()
+
+
+def test_audio_srm_reaches_85_percent(prepared, capsys):
+    summary = _train("audio.yaml", prepared, capsys)
+    print(f"audio SRM: {summary}")
+    assert summary["eval_pairwise_accuracy"] >= 0.85
+
+
+def test_image_grm_beats_chance_by_15_points(prepared, capsys):
+    # the held-out judgments are balanced: 1/2 "[[1]]", 1/2 "[[0]]" in expectation (seeded: count them)
+    rows = [json.loads(ln) for ln in (prepared / "judge_eval.jsonl").read_text().splitlines()]
+    majority = max(sum(r["judgment"] == "[[1]]" for r in rows), sum(r["judgment"] == "[[0]]" for r in rows)) / len(rows)
+    summary = _train("grm.yaml", prepared, capsys)
+    print(f"image GRM: {summary} (majority verdict {majority:.3f})")
+    assert summary["eval_verdict_accuracy"] >= max(0.5, majority) + 0.15
