@@ -32,12 +32,20 @@ class ObservationRenderer:
             raise ValueError(f"env.name needs a chat template to render observations, but the tokenizer "
                              f"({getattr(tokenizer, 'name_or_path', '?')}) has none; set data.chat_template to a Jinja file")
 
-    def ids(self, role: str, content: str, context_ids: list[int]) -> list[int]:
-        from streamrft.envs.tools import append_messages
+    def ids(self, role: str, content: str, context_ids: list[int] | str | None) -> list[int]:
+        """``context_ids``: the ids so far (prompt + earlier turns), whose tail shows whether the model closed
+        its turn; or, for callers that keep no context (batched evaluation loops), the decoded stop token
+        that ended the model turn (None: it ended at its token limit, so the whole closing is added)."""
+        from streamrft.envs.tools import append_messages, message_suffix_text
 
+        message = [{"role": role, "content": content}]
         try:
-            return append_messages(self.tokenizer, context_ids, [{"role": role, "content": content}],
-                                   chat_template=self.template)
+            if isinstance(context_ids, list):
+                return append_messages(self.tokenizer, context_ids, message, chat_template=self.template)
+            closing, text = message_suffix_text(self.tokenizer, message, chat_template=self.template)
+            if context_ids and closing.startswith(context_ids):
+                closing = closing[len(context_ids):]
+            return list(self.tokenizer.encode(closing + text, add_special_tokens=False))
         except ValueError as exc:
             raise ValueError(f"observation with role {role!r}: {exc}; have the environment answer with role "
                              "'user', or use a template that renders this role") from None
