@@ -85,6 +85,26 @@ def validate_reward_paths(cfg) -> None:
                 f"{key}={src.model_path!r} is not a trained reward model (no rm.json"
                 f"{'' if model_dir == src.model_path else f' in {model_dir}'}); train one with `streamrft train-rm CONFIG`"
             )
+        _check_rm_media(cfg, key, Path(model_dir) / "rm.json")
+
+
+def _check_rm_media(cfg, key: str, meta_path: Path) -> None:
+    """A media RM (trained with data.image_field / video_field / audio_field) scores the prompt's media: the
+    policy's data must give prompts the same kind of media (images or videos for a vision RM, audio for an
+    audio RM), else every sample would fail at its first score."""
+    import json
+
+    media = json.loads(meta_path.read_text()).get("media") or {}
+    if not any(media.get(k) for k in ("image_field", "video_field", "audio_field")):
+        return  # a text RM scores prompt + response, with or without media
+    d = cfg.data
+    if (media.get("image_field") or media.get("video_field")) and not (d.image_field or d.video_field):
+        raise ConfigError(f"{key}: the reward model reads each prompt's image/video (trained with "
+                          f"data.image_field={media.get('image_field')!r}, data.video_field={media.get('video_field')!r}) "
+                          "but this run's data has neither; set data.image_field or data.video_field")
+    if media.get("audio_field") and not d.audio_field:
+        raise ConfigError(f"{key}: the reward model reads each prompt's audio (trained with data.audio_field="
+                          f"{media['audio_field']!r}) but this run's data has none; set data.audio_field")
 
 
 def _validate_by_type(src, where: str) -> None:

@@ -142,3 +142,19 @@ def test_model_reward_scores_media_refs_and_fails_only_the_bad_item(vl, tmp_path
     assert isinstance(out[2], ValueError) and str(out[2]).startswith(
         "sample bare: this reward model reads the prompt's media (image_field='image') but the item has no media refs")
 
+
+
+def test_rl_validation_refuses_a_media_rm_for_prompts_without_media(vl, tmp_path):
+    from types import SimpleNamespace
+
+    from streamrft.config.data import DataConfig
+    from streamrft.config.reward import RewardConfig, RewardSourceConfig
+    from streamrft.rewards.validate import validate_reward_paths
+
+    _, backbone, _ = vl
+    ScalarRewardModel.from_backbone(backbone, media=IMAGE).save_pretrained(tmp_path / "rm")
+    reward = RewardConfig(sources=[RewardSourceConfig(name="rm", type="model", model_path=str(tmp_path / "rm"))])
+    validate_reward_paths(SimpleNamespace(reward=reward, data=DataConfig(video_field="video")))
+    with pytest.raises(ConfigError, match=r"^reward.sources\[0\] \('rm'\).model_path: the reward model reads each "
+                                          r"prompt's image/video .* set data.image_field or data.video_field$"):
+        validate_reward_paths(SimpleNamespace(reward=reward, data=DataConfig(audio_field="audio")))
