@@ -158,3 +158,37 @@ def test_rl_validation_refuses_a_media_rm_for_prompts_without_media(vl, tmp_path
     with pytest.raises(ConfigError, match=r"^reward.sources\[0\] \('rm'\).model_path: the reward model reads each "
                                           r"prompt's image/video .* set data.image_field or data.video_field$"):
         validate_reward_paths(SimpleNamespace(reward=reward, data=DataConfig(audio_field="audio")))
+
+
+def test_reward_stage_scores_a_completion_with_a_media_rm_source_from_its_refs(vl, tmp_path):
+    """The RL path: the reward stage builds the RewardItem from the Completion (media by reference) and a
+    ``type: model`` source on a media RM scores prompt media + response."""
+    from protocols import Completion
+    from streamrft.config.reward import RewardConfig, RewardSourceConfig
+    from streamrft.rewards.scorer import build_reward_scorer
+    from streamrft.runtime.accounting import Accounting
+    from streamrft.runtime.scoring import RewardScorerStage
+    from streamrft.runtime.stage import StageContext
+
+    _, backbone, pairs_path = vl
+    pair = read_preference_pairs(pairs_path, IMAGE)[0]
+    rm = ScalarRewardModel.from_backbone(backbone, media=IMAGE)
+    rm.save_pretrained(tmp_path / "rm")
+    scorer = build_reward_scorer(RewardConfig(sources=[RewardSourceConfig(name="rm", type="model",
+                                                                   model_path=str(tmp_path / "rm"))]))
+
+    class Outbox:
+        sent: list = []
+
+        async def send(self, msg, tensors, timeout=None):
+            self.sent.append(msg)
+
+    outbox = Outbox()
+    stage = RewardScorerStage(StageContext(rank=0, stage_timeout_s=5.0, accounting=Accounting()), None, outbox, scorer, 1)
+    completion = Completion(sample_id="g-0", group_id="g", step=0, prompt_index=0, sample_index=0,
+                            prompt_text=pair.prompt, response_text=pair.chosen, n_samples=1, finish_reason="stop",
+                            policy_version=0, prompt_len=1, response_len=1, media=list(pair.media))
+    asyncio.run(stage.process(completion, None))
+    (scored,) = outbox.sent
+    assert scored.status == "ok", scored.fail_reason
+    assert scored.reward == pytest.approx(rm.score([pair.prompt], [pair.chosen], media=[pair.media])[0], abs=1e-5)
