@@ -192,3 +192,42 @@ def test_reward_stage_scores_a_completion_with_a_media_rm_source_from_its_refs(v
     (scored,) = outbox.sent
     assert scored.status == "ok", scored.fail_reason
     assert scored.reward == pytest.approx(rm.score([pair.prompt], [pair.chosen], media=[pair.media])[0], abs=1e-5)
+
+
+def test_a_video_rm_scores_a_video_file_like_its_frame_list(vl, tmp_path):
+    """Video rows (data.video_field): a list of frame images and the lossless mp4 of the same frames are the
+    same model inputs, so they get the same reward; frames are capped by max_video_frames like in RL."""
+    av = pytest.importorskip("av")
+    import numpy as np
+    from PIL import Image
+
+    _, backbone, _ = vl
+    frames = []
+    for t in range(4):  # a white square sliding right
+        f = np.zeros((16, 16, 3), dtype=np.uint8)
+        f[4:8, 3 * t:3 * t + 4] = 255
+        frames.append(f)
+    paths = []
+    for i, f in enumerate(frames):
+        paths.append(str(tmp_path / f"f{i}.png"))
+        Image.fromarray(f).save(paths[-1])
+    with av.open(str(tmp_path / "clip.mp4"), "w", format="mp4") as container:  # lossless: same pixels as the PNGs
+        stream = container.add_stream("libx264rgb", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 16, 16, "rgb24"
+        stream.options = {"qp": "0", "preset": "ultrafast"}
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    rows = [{"prompt": "way?", "chosen": "r", "rejected": "l", "video": paths},
+            {"prompt": "way?", "chosen": "r", "rejected": "l", "video": str(tmp_path / "clip.mp4")}]
+    (tmp_path / "v.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    video = {**IMAGE, "image_field": "", "video_field": "video", "max_video_frames": 4}
+    as_frames, as_file = read_preference_pairs(tmp_path / "v.jsonl", video)
+    assert [r.kind for r in as_frames.media] == ["video_frame"] * 4 and [r.kind for r in as_file.media] == ["video"]
+    rm = ScalarRewardModel.from_backbone(backbone, media=video)
+    got = rm.score(["way?"] * 2, ["r"] * 2, media=[as_frames.media, as_file.media])
+    assert got[0] == pytest.approx(got[1], abs=1e-6)
+    still = rm.score(["way?"], ["r"], media=[as_frames.media[:1] * 4])  # a still clip is another input
+    assert abs(still[0] - got[0]) > 1e-6
