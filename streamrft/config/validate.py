@@ -202,21 +202,47 @@ def validate_chat_template_present(cfg) -> None:
     if not is_messages(get_field(row, fields["prompt"], None)):
         return
     media = [f"data.{k}" for k in ("image_field", "video_field", "audio_field") if getattr(d, k)]
-    if media:  # the processor path takes text prompts; refused now rather than group by group
+    if media:  # message prompts carry their media as content parts; refused now rather than group by group
         raise ConfigError(f"data.train_path={d.train_path}: row 0 field {fields['prompt']!r} is a list of messages, "
-                          f"which {', '.join(media)} do not support yet; give the prompts as text")
+                          f"which take their media as content parts ({{'type': 'image', 'image': PATH}}, ...), not "
+                          f"{', '.join(media)}; clear {', '.join(media)} or give the prompts as text")
+    from streamrft.data.chat import has_media_parts
+
+    parts = has_media_parts(get_field(row, fields["prompt"], None))
+    try:
+        model_dir = Path(resolve_model_dir(cfg.model.path, "model.path"))
+    except ValueError:  # reported by validate_model
+        return
+    if parts:
+        model_type = _model_type(model_dir)
+        if model_type is not None and model_type not in ("qwen2_vl", "qwen2_audio"):
+            raise ConfigError(f"data.train_path={d.train_path}: row 0 field {fields['prompt']!r} has image / video / "
+                              f"audio message parts, but model.path={cfg.model.path} is a text-only model "
+                              f"({model_type}); set model.path to a Qwen2-VL or Qwen2-Audio model, or drop the media")
     if d.chat_template != "auto":
         return
+    if parts and any((model_dir / name).is_file() for name in ("chat_template.json", "chat_template.jinja")):
+        return  # the processor's own template renders the media parts
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model.path, "model.path"))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (ValueError, OSError):  # a bad row or model path: reported with its row by the loaders
         return
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"data.train_path={d.train_path}: row 0 field {fields['prompt']!r} is a list of messages, "
                           f"but the tokenizer of model.path={cfg.model.path} has no chat template; set "
                           "data.chat_template to a Jinja template file, or give text prompts")
+
+
+def _model_type(model_dir: Path) -> str | None:
+    """config.json's model_type, None when it cannot be read (the model loader reports that)."""
+    import json
+
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:

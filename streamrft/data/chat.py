@@ -17,6 +17,13 @@ starts with a system message (the row's own wins). It applies to message lists o
 system prompt set is an error, not a silently ignored setting.
 
 The Generator, held-out evaluation, ``streamrft eval`` and ``streamrft chat`` all call :func:`render_prompt`.
+
+Multimodal messages (the Qwen2-VL / Qwen2-Audio formats): a message's content may be a list of parts,
+``{"type": "text", "text": ...}``, ``{"type": "image", "image": PATH}``, ``{"type": "video", "video": PATH or
+[frame, ...]}``, ``{"type": "audio", "audio": PATH}`` (any media spelling streamrft.data.media reads).
+:func:`media_parts` lists the media in placeholder order; the template renders each part as its model's
+placeholder (e.g. ``<|vision_start|><|image_pad|><|vision_end|>``) and the media go through the same path as
+``data.image_field`` / ``video_field`` / ``audio_field`` (streamrft.models.media_inputs.MediaCodec.prompt).
 """
 
 from __future__ import annotations
@@ -51,6 +58,43 @@ def check_messages(value: object, loc: str) -> list[dict]:
     return out
 
 
+MEDIA_PART_KINDS = ("image", "video", "audio")
+
+
+def has_media_parts(prompt: object) -> bool:
+    """True for a message-list prompt with at least one image / video / audio content part."""
+    return is_messages(prompt) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in MEDIA_PART_KINDS for p in m["content"]) for m in prompt)
+
+
+def media_parts(messages: list[dict], loc: str) -> list[tuple[str, object, str]]:
+    """The media of a message-list prompt as (kind, value, where) in order (the order of their placeholders
+    in the rendered text); DataError naming ``loc``, message and part for a part that is not one of
+    text / image / video / audio with its value."""
+    out = []
+    for j, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for k, part in enumerate(content):
+            where = f"{loc} message {j} part {k}"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise DataError(f"{where}: a text part needs 'text' as a string (got {sorted(part)})")
+                continue
+            if kind not in MEDIA_PART_KINDS:
+                got = f"type {kind!r}" if isinstance(part, dict) else type(part).__name__
+                raise DataError(f"{where}: a content part must be {{'type': 'text' | 'image' | 'video' | 'audio', ...}} "
+                                f"(got {got})")
+            if part.get(kind) is None:
+                raise DataError(f"{where}: the {kind} part has no {kind!r} value; give it as "
+                                f"{{'type': '{kind}', '{kind}': PATH}}")
+            out.append((kind, part[kind], where))
+    return out
+
+
 def check_chat_setting(chat_template: str) -> None:
     """ValueError when data.chat_template is neither auto, none nor a readable Jinja file (checked before start)."""
     if chat_template in CHAT_TEMPLATE_MODES:
@@ -76,8 +120,10 @@ def _template_file(path: str) -> str:
 
 
 def render_prompt(tokenizer, prompt: str | list, chat_template: str = "auto", system_prompt: str = "",
-                  loc: str = "prompt") -> str:
-    """The prompt text the model sees for a row's prompt (text, or messages rendered with a chat template)."""
+                  loc: str = "prompt", default_template: str | None = None) -> str:
+    """The prompt text the model sees for a row's prompt (text, or messages rendered with a chat template).
+    ``default_template``: the template ``auto`` uses instead of the tokenizer's (a multimodal processor's own
+    chat template, which renders media parts as placeholders)."""
     if not is_messages(prompt):
         if system_prompt:
             raise DataError(f"{loc}: the prompt is text but data.system_prompt is set; a system prompt applies to "
@@ -90,7 +136,7 @@ def render_prompt(tokenizer, prompt: str | list, chat_template: str = "auto", sy
     messages = check_messages(prompt, loc)
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
-    template = None if chat_template == "auto" else _template_file(str(Path(chat_template).resolve()))
+    template = default_template if chat_template == "auto" else _template_file(str(Path(chat_template).resolve()))
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{loc}: the prompt is a list of messages but the tokenizer "
                         f"({getattr(tokenizer, 'name_or_path', '?')}) has no chat template; set data.chat_template "

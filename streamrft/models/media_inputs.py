@@ -61,15 +61,18 @@ class MediaCodec:
         self.max_video_frames, self.video_fps = max_video_frames, video_fps
 
     @classmethod
-    def from_config(cls, processor, data_cfg) -> MediaCodec | None:
-        """None when no media field is configured (text runs keep their exact code path)."""
-        if not (data_cfg.image_field or data_cfg.video_field or data_cfg.audio_field):
+    def from_config(cls, processor, data_cfg, message_media: bool = False) -> MediaCodec | None:
+        """None when no media field is configured and no prompt has media message parts (``message_media``):
+        text runs keep their exact code path."""
+        if not (data_cfg.image_field or data_cfg.video_field or data_cfg.audio_field or message_media):
             return None
         if processor is None:
             set_fields = [f"data.{k}={v!r}" for k, v in (("image_field", data_cfg.image_field),
                           ("video_field", data_cfg.video_field), ("audio_field", data_cfg.audio_field)) if v]
-            raise ValueError(f"{', '.join(set_fields)} is set but model.path is a text-only model; set model.path "
-                             "to a vision-language or audio-language model, or clear the media field")
+            what = (f"{', '.join(set_fields)} is set" if set_fields else
+                    "the prompts have image / video / audio message parts")
+            raise ValueError(f"{what} but model.path is a text-only model; set model.path "
+                             "to a vision-language or audio-language model, or drop the media")
         return cls(processor, data_cfg.image_field, data_cfg.video_field, data_cfg.audio_field,
                    max_video_frames=data_cfg.max_video_frames, video_fps=data_cfg.video_fps)
 
@@ -97,6 +100,50 @@ class MediaCodec:
                 for v in values if isinstance(values, (list, tuple)) else [values]:
                     out.append(self._ref(v, kind, name, loc))
         return out
+
+    def part_refs(self, parts: list[tuple[str, object, str]], field: str) -> list[MediaRef]:
+        """Refs of a message-list prompt's media parts (streamrft.data.chat.media_parts), in placeholder order,
+        exactly as ``refs`` makes them for the same values in data.image_field / video_field / audio_field."""
+        out: list[MediaRef] = []
+        n_videos = 0
+        for kind, value, loc in parts:
+            if kind != "video":
+                out.append(self._ref(value, kind, field, loc))
+                continue
+            if isinstance(value, str) and not value.startswith("data:"):
+                out.append(self._ref(value, "video", field, loc, n_videos))
+            elif isinstance(value, (list, tuple)) and value:
+                out += [self._ref(v, "video_frame", field, loc, n_videos) for v in value]
+            else:
+                raise MediaError(f"{loc}: a video must be a video file path or a non-empty list of frame images, "
+                                 f"got {type(value).__name__}")
+            n_videos += 1
+        return out
+
+    def prompt(self, row, file, prompt_field: str, chat_template: str = "auto",
+               system_prompt: str = "") -> tuple[str, list[MediaRef], dict[str, torch.Tensor]]:
+        """(prompt text, media refs, model inputs) of a dataset row: a text prompt with the media of
+        data.image_field / video_field / audio_field, or a message list whose content parts carry the media,
+        rendered with the processor's chat template (``data.chat_template: auto``) or the configured one.
+        The Generator and held-out evaluation both call this."""
+        from streamrft.data.chat import is_messages, media_parts, render_prompt
+        from streamrft.data.errors import DataError
+
+        loc = f"{file}: row {row.row} field {prompt_field!r}"
+        if not is_messages(row.prompt):
+            refs = self.refs(row, file)
+            return row.prompt, refs, self.inputs(row.prompt, refs, f"{file} row {row.row}")
+        set_fields = [f"data.{_config_key(k)}" for k, v in self.fields.items() if v]
+        if set_fields:
+            raise DataError(f"{loc}: the prompt is a list of messages and {', '.join(set_fields)} is set; give "
+                            "message prompts their media as content parts ({'type': 'image', 'image': PATH}, ...) "
+                            "and clear the field, or give the prompt as text")
+        parts = media_parts(row.prompt, loc)
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        text = render_prompt(tokenizer, row.prompt, chat_template, system_prompt, loc,
+                             default_template=getattr(self.processor, "chat_template", None) or None)
+        refs = self.part_refs(parts, prompt_field)
+        return text, refs, self.inputs(text, refs, f"{file} row {row.row}")
 
     def _ref(self, value, kind: str, field: str, loc: str, group: int = 0) -> MediaRef:
         if isinstance(value, str) and not value.startswith("data:"):

@@ -34,9 +34,8 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
         else:
             from streamrft.data.media import MediaError
 
-            try:
-                refs[i] = media.refs(r, dataset.path)
-                inputs = media.inputs(r.prompt, refs[i], f"{dataset.path} row {r.row}")
+            try:  # the Generator's media path: data.*_field media, or message prompts with media parts
+                texts[i], refs[i], inputs = media.prompt(r, dataset.path, prompt_field, chat_template, system_prompt)
             except MediaError as exc:
                 errors += 1
                 log.warning("evaluation rank %d: %s", rank, exc)

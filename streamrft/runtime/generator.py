@@ -37,7 +37,7 @@ import torch
 
 from protocols import Completion, Control, PromptGroup
 from streamrft.data import DataError, EpochOrder, PromptDataset
-from streamrft.data.chat import prompt_ids
+from streamrft.data.chat import has_media_parts, prompt_ids
 from streamrft.engines.base import GenerationRequest
 from streamrft.engines.sampling import sample_seed
 from streamrft.rewards.conventions import reward_columns
@@ -97,7 +97,9 @@ class Generator(Stage):
         self.generated_tokens = 0
         self.media = None  # MediaCodec when the data has media fields; None = text-only
         self.mm_inputs: dict[str, dict] = {}  # group_id -> decoded processor inputs (in flight only)
-        if cfg.data.image_field or cfg.data.video_field or cfg.data.audio_field:
+        # media from data.*_field, or from image / video / audio parts of message prompts (Qwen2-VL / -Audio format)
+        if cfg.data.image_field or cfg.data.video_field or cfg.data.audio_field or any(
+                has_media_parts(r.prompt) for r in dataset.rows):
             self._init_media()
         self.env_factory = None  # a fresh Environment per episode; None = single-turn samples
         self.prompts: dict[str, object] = {}  # group_id -> the row's prompt (text or messages), in flight only
@@ -123,7 +125,7 @@ class Generator(Stage):
         if not self.engine.supports_media:
             raise ValueError(f"engine.type={self.cfg.engine.type!r} cannot take media prompts yet; "
                              "use engine.type=hf for rows with data.image_field / video_field / audio_field")
-        self.media = MediaCodec.from_config(load_processor(self.cfg.model.path), self.cfg.data)
+        self.media = MediaCodec.from_config(load_processor(self.cfg.model.path), self.cfg.data, message_media=True)
 
     def state_dict(self) -> dict:
         """What a checkpoint needs beyond (seed, step): the run-wide refill counter."""
@@ -144,11 +146,10 @@ class Generator(Stage):
         refs, inputs = [], None
         d, loc = self.cfg.data, f"{self.dataset.path}: row {row.row} field {self.cfg.data.prompt_field!r}"
         if self.media is not None:  # raises MediaError (file, row, field) for missing / corrupt media
-            if not isinstance(row.prompt, str):
-                raise DataError(f"{loc}: message-list prompts with media fields are not supported; give the prompt as text")
-            refs = self.media.refs(row, self.dataset.path)
-            inputs = self.media.inputs(row.prompt, refs, f"{self.dataset.path} row {row.row}")
-            ids, prompt_text = inputs["input_ids"][0].tolist(), row.prompt
+            # a text prompt with data.*_field media, or messages with media parts rendered by the chat template
+            field = getattr(self.dataset, "fields", {}).get("prompt", d.prompt_field)
+            prompt_text, refs, inputs = self.media.prompt(row, self.dataset.path, field, d.chat_template, d.system_prompt)
+            ids = inputs["input_ids"][0].tolist()
         else:  # text as-is, or messages through the chat template (streamrft.data.chat, shared with evaluation)
             prompt_text, ids = prompt_ids(self.tokenizer, row.prompt, d.chat_template, d.system_prompt, loc)
         if len(ids) > self.cfg.data.max_prompt_tokens:
@@ -413,7 +414,7 @@ class Generator(Stage):
                                    f"{self.dataset.path}: row {group.data_row} (with the environment's reset text)")
         return text, new_ids
 
-    async def _episode(self, group: PromptGroup, ids: torch.Tensor, prompt, j: int) -> None:
+    async def _episode(self, group: PromptGroup, ids: torch.Tensor, prompt, j: int, batcher) -> None:
         """One sample as an episode; an environment that raises fails the sample (``env_error``, counted by the
         AdvantageStage like any failed sample), not the run."""
         from streamrft.envs.episode import run_episode
@@ -426,7 +427,7 @@ class Generator(Stage):
                    "data_row": group.data_row, "sample_id": sid}
             greeting = await env.reset(row)
             prompt_text, p_ids = self._episode_prompt(group, ids, prompt, greeting)
-            ep = await run_episode(env, self.engine, self.renderer, p_ids, sid,
+            ep = await run_episode(env, batcher, self.renderer, p_ids, sid,
                                    (self.cfg.seed, group.step, group.prompt_index, j), e.max_turns, e.max_tokens,
                                    self.cfg.engine.max_new_tokens)
         except (asyncio.CancelledError, StageError):
@@ -467,13 +468,25 @@ class Generator(Stage):
         })
 
     async def _generate_episodes(self, groups: list[tuple[PromptGroup, torch.Tensor]]) -> None:
-        """Every sample of ``groups`` as a concurrent episode (each sends its own Completion when it ends)."""
+        """Every sample of ``groups`` as a concurrent episode (each sends its own Completion when it ends); their
+        model turns share engine calls through one TurnBatcher."""
+        from streamrft.envs.episode import TurnBatcher
+
         started = time.perf_counter()
+        batcher = TurnBatcher(self.engine)
         tasks = []
+
+        async def episode(group, ids, prompt, j):
+            try:
+                await self._episode(group, ids, prompt, j, batcher)
+            finally:
+                batcher.leave()
+
         for group, ids in groups:
             prompt = self.prompts.pop(group.group_id, group.prompt_text)
             for j in range(group.n_samples):
-                tasks.append(asyncio.ensure_future(self._episode(group, ids, prompt, j)))
+                batcher.enter()  # all registered before the first asks for a turn: turn 0 is one call
+                tasks.append(asyncio.ensure_future(episode(group, ids, prompt, j)))
         try:
             await asyncio.gather(*tasks)
         except BaseException:

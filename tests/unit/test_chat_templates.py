@@ -126,8 +126,9 @@ def test_config_check_needs_a_template_for_message_rows_before_the_model_loads(t
                                           r"model.path=.* has no chat template"):
         validate_data(cfg)
     cfg = load_config(None, [f"model.path={model}", f"data.train_path={data}", "data.image_field=image"])
-    with pytest.raises(ConfigError, match=r"row 0 field 'prompt' is a list of messages, which data.image_field do "
-                                          r"not support yet"):
+    with pytest.raises(ConfigError, match=r"row 0 field 'prompt' is a list of messages, which take their media as "
+                                          r"content parts \(\{'type': 'image', 'image': PATH\}, \.\.\.\), not "
+                                          r"data.image_field; clear data.image_field or give the prompts as text"):
         validate_data(cfg)
     cfg = load_config(None, [f"model.path={model}", f"data.train_path={data}", "data.chat_template=none",
                              "data.system_prompt=x"])
