@@ -231,3 +231,23 @@ def test_a_video_rm_scores_a_video_file_like_its_frame_list(vl, tmp_path):
     assert got[0] == pytest.approx(got[1], abs=1e-6)
     still = rm.score(["way?"], ["r"], media=[as_frames.media[:1] * 4])  # a still clip is another input
     assert abs(still[0] - got[0]) > 1e-6
+
+
+def test_a_media_judge_writes_the_same_verdict_batched_or_alone_and_learns_a_row(vl, tmp_path):
+    from streamrft.rm.config import GRMConfig
+    from streamrft.rm.judge import GenerativeJudge, train_media_judge
+
+    _, backbone, _ = vl
+    rows = read_judgments(write_image_judgments(tmp_path, "j", 4, seed=0), IMAGE)
+    judge = GenerativeJudge.from_base(backbone, GRMConfig(max_new_tokens=5), "pairwise", IMAGE)
+    prompts = [judge.judge_prompt(r.prompt, r.responses) for r in rows]
+    prompts[1] += "red"  # rows of different lengths: left padding in the batch
+    together = judge.generate(prompts, media=[r.media for r in rows])
+    alone = [judge.generate([p], media=[r.media])[0] for p, r in zip(prompts, rows)]
+    assert together == alone
+    losses = train_media_judge(judge, rows[:1], steps=40, lr=1e-2, batch_size=1, seed=0, log_every=0)
+    assert losses[-1] < 0.1 * losses[0]
+    assert judge.generate(prompts[:1], media=[rows[0].media]) == [rows[0].judgment]  # it can fit one verdict
+    judge.save_pretrained(tmp_path / "judge")
+    loaded = GenerativeJudge.from_pretrained(tmp_path / "judge")
+    assert loaded.media == IMAGE and loaded.generate(prompts[:1], media=[rows[0].media]) == [rows[0].judgment]
