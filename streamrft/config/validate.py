@@ -214,10 +214,16 @@ def validate_chat_template_present(cfg) -> None:
     except ValueError:  # reported by validate_model
         return
     if parts:
+        where = f"data.train_path={d.train_path}: row 0 field {fields['prompt']!r} has image / video / audio message parts"
+        if cfg.rollout.placement == "async":  # as with data.*_field media (config.rollout)
+            raise ConfigError(f"{where}; rollout.placement=async does not carry media prompts yet; use "
+                              "placement=colocated")
+        if cfg.env.name:  # as with data.*_field media (config.env)
+            raise ConfigError(f"{where}; env.name with media prompts is not supported yet: episodes render text "
+                              "observations after text prompts")
         model_type = _model_type(model_dir)
         if model_type is not None and model_type not in ("qwen2_vl", "qwen2_audio"):
-            raise ConfigError(f"data.train_path={d.train_path}: row 0 field {fields['prompt']!r} has image / video / "
-                              f"audio message parts, but model.path={cfg.model.path} is a text-only model "
+            raise ConfigError(f"{where}, but model.path={cfg.model.path} is a text-only model "
                               f"({model_type}); set model.path to a Qwen2-VL or Qwen2-Audio model, or drop the media")
     if d.chat_template != "auto":
         return

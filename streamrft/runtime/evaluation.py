@@ -15,7 +15,8 @@ import msgspec
 import torch
 
 from protocols import RewardItem
-from streamrft.data.chat import prompt_ids
+from streamrft.data.chat import has_media_parts, prompt_ids
+from streamrft.data.errors import DataError
 from streamrft.engines.base import GenerationRequest
 from streamrft.rewards.conventions import reward_columns
 
@@ -29,6 +30,9 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
     prompt_field = getattr(dataset, "fields", {}).get("prompt", "prompt")  # for errors: the field data.format read
     for i, r in enumerate(mine):
         if media is None:  # the Generator's rendering: text as-is, messages through the chat template
+            if has_media_parts(r.prompt):  # placeholders without pixels would be scored as if they were text
+                raise DataError(f"{dataset.path}: row {r.row} field {prompt_field!r} has image / video / audio "
+                                "message parts but the training rows have no media; evaluate on rows of the same kind")
             texts[i], ids = prompt_ids(tokenizer, r.prompt, chat_template, system_prompt,
                                        f"{dataset.path}: row {r.row} field {prompt_field!r}")
         else:

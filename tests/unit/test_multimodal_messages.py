@@ -174,6 +174,10 @@ def test_the_config_check_needs_a_multimodal_model_for_media_parts(vl_dir, media
     with pytest.raises(ConfigError, match=r"row 0 field 'prompt' has image / video / audio message parts, but "
                                           r"model.path=.* is a text-only model \(qwen2\)"):
         validate_chat_template_present(load_config(None, [f"model.path={text_model}", f"data.train_path={path}"]))
+    for extra, message in (("rollout.placement=async", "rollout.placement=async does not carry media prompts yet"),
+                           ("env.name=tools", "env.name with media prompts is not supported yet")):
+        with pytest.raises(ConfigError, match=rf"row 0 field 'prompt' has image / video / audio message parts; {message}"):
+            validate_chat_template_present(load_config(None, [f"model.path={vl_dir}", f"data.train_path={path}", extra]))
     with pytest.raises(ConfigError, match=r"which take their media as content parts .*not data.image_field"):
         validate_chat_template_present(load_config(None, [f"model.path={vl_dir}", f"data.train_path={path}",
                                                           "data.image_field=image"]))
