@@ -68,7 +68,8 @@ class ModelReward:
         if not item.media:
             fields = ", ".join(f"{k}={v!r}" for k, v in self.media.items() if k.endswith("_field") and v)
             raise ValueError(f"sample {item.sample_id}: this reward model reads the prompt's media ({fields}) but the "
-                             "item has no media refs; the policy's prompts need media (data.image_field / video_field / audio_field)")
+                             "item has no media refs; the policy's prompts need media "
+                             "(data.image_field / video_field / audio_field)")
         for ref in item.media:
             try:
                 size = os.stat(ref.path).st_size
