@@ -22,6 +22,7 @@ turns by ``turn_seed``: a sample's episode does not depend on batch composition 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -61,6 +62,88 @@ class Episode:
         return len(self.turn_starts)
 
 
+class TurnBatcher:
+    """Gathers the model-turn requests of concurrent episodes into shared ``engine.generate`` calls.
+
+    Episodes run as separate coroutines, and each model turn is one request; sent one by one they would
+    decode as batches of one. A request waits here until every unfinished episode has asked for its next
+    turn (episodes of one admission move in step when their turns end together) or ``window_s`` has passed
+    since the first waiting request (an episode whose turn ended early, or whose environment takes its
+    time, holds the others back no longer than that); then the waiting requests go to the engine as one
+    call. Each request keeps its own seed, so its tokens do not depend on what it was batched with (the
+    same run gives the same losses batched or not).
+    """
+
+    def __init__(self, engine, window_s: float = 0.05) -> None:
+        self.engine = engine
+        self.window_s = window_s
+        self.active = 0  # episodes registered and not finished
+        self.waiting: list[tuple[GenerationRequest, asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._calls: set[asyncio.Task] = set()  # engine calls in flight (referenced: the loop keeps weak ones)
+
+    def enter(self) -> None:
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
+        self._maybe_flush()
+
+    async def generate(self, request: GenerationRequest):
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((request, future))
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.window_s, self._flush)
+        self._maybe_flush()
+        return await future
+
+    def _maybe_flush(self) -> None:
+        if self.waiting and len(self.waiting) >= self.active:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self.waiting = self.waiting, []
+        if batch:
+            task = asyncio.ensure_future(self._run(batch))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+
+    async def drain(self) -> None:
+        """Wait for the engine calls to end (every episode has its answer; a call may still be closing)."""
+        if self._calls:
+            await asyncio.gather(*list(self._calls))
+
+    def close(self) -> None:
+        """Cancel what is still waiting or decoding (the episodes were cancelled: shutdown or a failure)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for _, future in self.waiting:
+            future.cancel()
+        self.waiting = []
+        for task in list(self._calls):
+            task.cancel()
+
+    async def _run(self, batch) -> None:
+        futures = {request.request_id: future for request, future in batch}
+        try:
+            async for out in self.engine.generate([request for request, _ in batch]):
+                future = futures.pop(out.request_id)
+                if not future.done():
+                    future.set_result(out)
+            if futures:
+                raise RuntimeError(f"engine returned no output for {sorted(futures)[:3]}")
+        except BaseException as exc:  # every request of the call fails with the engine's error
+            for future in futures.values():
+                if not future.done():
+                    future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+
 def _add_info(episode: Episode, step: EnvStep) -> None:
     reasons = step.info.get("tool_error_reasons")  # every error's reason; else the one tool_error_reason
     if isinstance(reasons, (list, tuple)):
@@ -77,7 +160,8 @@ def _add_info(episode: Episode, step: EnvStep) -> None:
 async def run_episode(env, engine, renderer, prompt_ids: list[int], request_id: str, seeds: tuple[int, int, int, int],
                       max_turns: int, max_tokens: int, max_new_tokens: int) -> Episode:
     """Drive ``env`` (already reset) with ``engine`` from ``prompt_ids``; see the module docstring.
-    ``seeds`` = (run seed, step, prompt index, sample index)."""
+    ``seeds`` = (run seed, step, prompt index, sample index). ``engine``: a RolloutEngine, or a
+    :class:`TurnBatcher` shared by concurrent episodes (one call per turn of many episodes)."""
     started = time.perf_counter()
     ep = Episode()
     context = list(prompt_ids)
@@ -85,8 +169,10 @@ async def run_episode(env, engine, renderer, prompt_ids: list[int], request_id: 
         budget = max_tokens - len(ep.response_ids)
         request = GenerationRequest(request_id=f"{request_id}-t{turn}", prompt_ids=context,
                                     seed=turn_seed(*seeds, turn), max_new_tokens=min(max_new_tokens, budget))
-        outs = await engine.generate_all([request])
-        out = outs[0]
+        if isinstance(engine, TurnBatcher):
+            out = await engine.generate(request)
+        else:
+            (out,) = await engine.generate_all([request])
         if turn == 0:
             ep.policy_version = out.policy_version
         ep.turn_starts.append(len(ep.response_ids))

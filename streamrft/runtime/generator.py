@@ -489,9 +489,11 @@ class Generator(Stage):
                 tasks.append(asyncio.ensure_future(episode(group, ids, prompt, j)))
         try:
             await asyncio.gather(*tasks)
+            await batcher.drain()
         except BaseException:
             for t in tasks:
                 t.cancel()
+            batcher.close()
             raise
         if self.ctx.metrics is not None:
             self.ctx.metrics.stage_latency.labels(stage=self.name).observe(time.perf_counter() - started)

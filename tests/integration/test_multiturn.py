@@ -275,3 +275,40 @@ def test_every_estimator_trains_with_masks_and_ignores_observation_positions(dis
         results.append((out["loss"], out["grad_norm"]))
     assert results[0][1] > 0
     assert results[1] == pytest.approx(results[0], abs=1e-6)
+
+
+def test_concurrent_episodes_share_engine_calls_per_turn_and_keep_their_own_tokens(episode):
+    """TurnBatcher: four episodes whose turns end together (at the token limit) decode each turn in one
+    engine call, and every episode's ids are those it has when run alone (per-request seeds)."""
+    from streamrft.envs.episode import TurnBatcher
+
+    _, prompt, tok, engine = episode
+    calls = []
+
+    class Counting:
+        def generate(self, requests, mm_inputs=None):
+            calls.append(len(requests))
+            return engine.generate(requests)
+
+    def env():
+        return load_environment("scripted", observations=["1", "2"], role="user")()
+
+    async def batched():
+        batcher = TurnBatcher(Counting(), window_s=5.0)  # a long window: only "everyone is waiting" flushes
+        for _ in range(4):
+            batcher.enter()
+
+        async def one(j):
+            try:
+                return await run_episode(env(), batcher, ObservationRenderer(tok), prompt, f"b{j}", (1, 0, 0, j),
+                                         max_turns=3, max_tokens=60, max_new_tokens=2)
+            finally:
+                batcher.leave()
+        return await asyncio.gather(*(one(j) for j in range(4)))
+
+    together = asyncio.run(batched())
+    alone = [asyncio.run(run_episode(env(), engine, ObservationRenderer(tok), prompt, f"a{j}", (1, 0, 0, j),
+                                     max_turns=3, max_tokens=60, max_new_tokens=2)) for j in range(4)]
+    assert calls == [4, 4, 4]
+    assert [e.response_ids for e in together] == [e.response_ids for e in alone]
+    assert len({tuple(e.response_ids) for e in together}) > 1  # the seeds differ per sample
