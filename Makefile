@@ -11,7 +11,7 @@ TRITON_SITE := $(VENV)/triton-site
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup demo test test-fast vllm-venv test-vllm clean
+.PHONY: setup demo demo-calculator test test-fast vllm-venv test-vllm clean
 
 $(BASE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ setup: $(DEV_STAMP)
 
 demo: $(BASE_STAMP)
 	OMP_NUM_THREADS=2 $(PY) pipelines/arith/demo.py pipelines/arith/config.yaml
+
+# The agentic demo (issue 18): the tiny model learns to call a calculator tool (multi-turn GRPO, CPU).
+demo-calculator: $(BASE_STAMP)
+	OMP_NUM_THREADS=2 $(PY) pipelines/calculator/demo.py pipelines/calculator/config.yaml
 
 test: $(DEV_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests

@@ -35,7 +35,6 @@ async def _episodes(engine, tokenizer, rows: list[dict], make_env, max_turns: in
     from streamrft.envs.render import ObservationRenderer
 
     renderer = ObservationRenderer(tokenizer)
-    stop_texts = {t: tokenizer.decode([t]) for t in engine.stop_token_ids}
     envs = [make_env() for _ in rows]
     episodes = []
     try:
@@ -63,8 +62,7 @@ async def _episodes(engine, tokenizer, rows: list[dict], make_env, max_turns: in
                 e.tool_errors += float(step.info.get("tool_errors", 0))
                 if step.done or step.observation is None or turn == max_turns - 1:
                     continue
-                last = out.response_ids[-1] if out.response_ids and out.finish_reason == "stop" else None
-                obs = renderer.ids(step.role, step.observation, stop_texts.get(last) if last is not None else None)
+                obs = renderer.ids(step.role, step.observation, list(e.context))
                 if len(e.response) + len(obs) >= max_tokens:
                     continue
                 e.response += obs
