@@ -5,11 +5,16 @@ runtime trains on (train.jsonl / eval.jsonl + wav files).
     streamrft train pipelines/audio_qa/config.yaml
 
 The warm-up teaches the answer format and nothing about which letter a tone deserves: its loss is
--log(P(a) + P(b)) for the first response token (any letter will do) plus -log P(EOS | letter) after
-either letter. Held-out accuracy so stays where the random model had it (~chance), and any skill above
-it is learnt by RL from the reward. (A warm-up on letters drawn at random, independent of the clip, also
-teaches the format, but its cross-entropy is lowest when the answer ignores the clip: it trains the
-model to ignore the audio, and GRPO then sat at chance for 40 steps at lr 1e-3 to 1e-2.)
+-log(P(a) + P(b)) for the response's one token (config.yaml: engine.max_new_tokens=1), any letter will
+do, and only the output layer (lm_head, final norm) learns it. Held-out accuracy so stays where the random
+model had it (~chance), and any skill above it is learnt by RL from the reward.
+
+Why so narrow (measured on this task): a warm-up on letters drawn at random, independent of the clip,
+also teaches the format, but its cross-entropy is lowest when the answer ignores the clip; after it,
+even supervised training on the true letters sat at chance for 35 steps, and GRPO for 40 steps at
+lr 1e-3 to 1e-2. Training the whole model on -log(P(a) + P(b)) also wiped out the clip's influence;
+training only the output layer keeps it (true labels are then learnt in ~5 steps, and GRPO goes from
+0.52 to 1.0 held-out in 40 steps).
 """
 
 from __future__ import annotations
@@ -37,14 +42,14 @@ def main() -> None:
     ap.add_argument("--out", default="runs/audio_qa")
     ap.add_argument("--sft_steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--n_train", type=int, default=2000)  # rows of train.jsonl (seed 11)
     ap.add_argument("--n_eval", type=int, default=200)  # rows of eval.jsonl (the held-out set, seed 7)
     args = ap.parse_args()
     prepare(args.out, args.sft_steps, args.batch, args.lr, args.n_train, args.n_eval)
 
 
-def prepare(out: str, sft_steps: int = 30, batch_size: int = 16, lr: float = 3e-3, n_train: int = 2000,
+def prepare(out: str, sft_steps: int = 30, batch_size: int = 16, lr: float = 1e-2, n_train: int = 2000,
             n_eval: int = 200) -> float:
     """Model under out/sft, data under out/{train,eval}.jsonl; returns (and prints) the warm-up's
     held-out greedy accuracy."""

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("name", ["geo3k", "audio_qa"])
 def test_the_shipped_multimodal_gpu_configs_load_and_validate(name):
-    cfg = load_config(ROOT / "pipelines" / name / "config.yaml")
+    cfg = load_config(ROOT / "pipelines" / name / ("config_gpu.yaml" if name == "audio_qa" else "config.yaml"))
     validate_config(cfg, check_paths=False)
     assert (cfg.data.image_field, cfg.data.audio_field) == (("image", "") if name == "geo3k" else ("", "audio"))
 
