@@ -8,11 +8,16 @@ peak, clean process group); steady-state numbers are medians over the steps afte
 StreamRFT before the last (which also writes the final checkpoint): run --steps 4 or more.
 StreamRFT keeps its optimizer state on the GPU between phases (train.offload_between_phases=false).
 
+``--workload longtail``: response lengths log-normal per sample (median 512, sigma 1, capped at 4096; each
+drawn from the sample's seed, the same lengths at every step in both systems, EOS at the last position in
+both: benchmarks/longtail.py), instead of the fixed 512.
+
     python benchmarks/gpu_grpo.py --out DIR [--sizes 0.5b,1.5b] [--steps 3] [--systems streamrft,async,trl,eager]
 
 ``async`` is StreamRFT with rollout.placement=async on the same one GPU: an engine process decodes the next
 step (staleness <= 1) while the learner trains this one.
     python benchmarks/gpu_grpo.py --tiny --out /tmp/x      # CPU dry run: tiny shapes, few tokens
+    python benchmarks/gpu_grpo.py --tiny --workload longtail --systems streamrft --steps 2 --out /tmp/y
 """
 
 from __future__ import annotations
@@ -45,11 +50,37 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 ASYNC_ENGINE_SHARE = 0.3
 
 
-def workload(tiny: bool) -> dict:
+def workload(tiny: bool, kind: str = "fixed") -> dict:
     if tiny:
-        return dict(prompts=4, samples=2, prompt_len=8, new=6, vocab=512, micro_batch=4)
-    # async on one GPU: the learner process has ~0.65 of the memory, so its micro-batch is half the colocated one
-    return dict(prompts=64, samples=8, prompt_len=256, new=512, vocab=151936, micro_batch=32, async_micro_batch=16)
+        wl = dict(prompts=4, samples=2, prompt_len=8, new=6, vocab=512, micro_batch=4)
+    else:
+        # async on one GPU: the learner process has ~0.65 of the memory, so its micro-batch is half the colocated one
+        wl = dict(prompts=64, samples=8, prompt_len=256, new=512, vocab=151936, micro_batch=32, async_micro_batch=16)
+    wl["kind"] = kind
+    if kind == "longtail":
+        from longtail import LongTail
+
+        shape = LongTail(median=4, cap=16) if tiny else LongTail(median=512, cap=4096)
+        # the engine and TRL may decode up to the cap; the token budget per micro-batch stays that of
+        # micro_batch sequences of median length (but holds at least one sequence of the cap)
+        wl.update(shape=shape, new=shape.cap, median=shape.median)
+    return wl
+
+
+def response_tokens(wl: dict, steps: int) -> float:
+    """Response tokens per step: fixed, or the mean over the run's steps of the long-tailed lengths."""
+    if wl["kind"] != "longtail":
+        return wl["prompts"] * wl["samples"] * wl["new"]
+    from streamrft.config import Config
+
+    totals = [sum(wl["shape"].step_lengths(Config().seed, s, wl["prompts"], wl["samples"])) for s in range(steps)]
+    return statistics.mean(totals)
+
+
+def micro_batch_tokens(wl: dict, micro_batch: int) -> int:
+    if wl["kind"] != "longtail":
+        return micro_batch * (wl["prompt_len"] + wl["new"])
+    return max(micro_batch * (wl["prompt_len"] + wl["median"]), wl["prompt_len"] + wl["new"])
 
 
 # ---------------------------------------------------------------- model + data ----------------------
@@ -102,7 +133,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         f"engine.static_cache={'true' if fast else 'false'}",
         f"engine.cuda_graphs={'true' if fast and cuda else 'false'}",
         f"rollout.prompts_per_step={wl['prompts']}", f"rollout.n_samples_per_prompt={wl['samples']}",
-        f"train.max_steps={steps}", "train.lr=1e-6", f"train.micro_batch_tokens={wl['async_micro_batch' if placement == 'async' and 'async_micro_batch' in wl else 'micro_batch'] * (wl['prompt_len'] + wl['new'])}",
+        f"train.max_steps={steps}", "train.lr=1e-6", f"train.micro_batch_tokens={micro_batch_tokens(wl, wl['async_micro_batch' if placement == 'async' and 'async_micro_batch' in wl else 'micro_batch'])}",
         "algorithm.advantage_estimator=group_norm", "algorithm.policy_loss=ppo_clip", "algorithm.kl_coef=0.0",
         # one GPU with room for both phases: keep the optimizer state on the device (TRL does not offload either)
         *(["train.offload_between_phases=false"] if placement == "colocated" else []),
@@ -125,6 +156,12 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     run = build_run(cfg, dist)
+    if wl["kind"] == "longtail":
+        from longtail import force_lengths
+
+        if placement == "async":
+            raise ValueError("--workload longtail runs colocated only (the async engine lives in another process)")
+        force_lengths(run.engine, wl["shape"], run.strategy.tokenizer.eos_token_id)
     times: dict[str, list[float]] = {"rollout": [], "train": []}
 
     def sync():
@@ -168,7 +205,8 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
             got = await run.engine.generate_all(reqs)
             sync()
             engine_s = time.perf_counter() - t0
-            assert all(len(g.response_ids) == wl["new"] for g in got)
+            want = [wl["shape"].length(r.seed) if wl["kind"] == "longtail" else wl["new"] for r in reqs]
+            assert [len(g.response_ids) for g in got] == want
             return engine_s
         finally:
             await _shutdown(run)
@@ -180,7 +218,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     steady = rows[1:-1] if len(rows) >= 3 else (rows[1:] or rows)
     med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
     steady_t = lambda key: statistics.median(times[key][1:] or times[key])  # noqa: E731
-    tokens = wl["prompts"] * wl["samples"] * wl["new"]
+    tokens = response_tokens(wl, steps)
     return {
         "system": tag, "size": size, "steps": len(rows),
         "step_s": med("step_seconds"), "rollout_s": steady_t("rollout"), "train_s": steady_t("train"),
@@ -190,6 +228,8 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         "weight_sync_s": med("phase/weight_push_seconds"), "offload_s": med("phase/offload_seconds"),
         "reload_s": med("phase/reload_seconds"), "engine_only_s": engine_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        # what the caching allocator held at most (allocated + cached pools): the device memory really taken
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
         "step_times": [r.get("step_seconds") for r in rows], "rollout_times": times["rollout"],
         "train_times": times["train"], "both_busy": summary.get("async_both_busy_fraction", 0.0),
     }
@@ -218,7 +258,19 @@ def run_trl(size: str, wl: dict, out: Path, steps: int) -> dict:
         if cuda:
             torch.cuda.synchronize()
 
+    calls = [0]  # generate calls so far = the step whose lengths the next call draws (longtail)
+
     def timed_generate(*a, **k):
+        if wl["kind"] == "longtail":
+            from transformers import LogitsProcessorList
+
+            from longtail import ForceLengthProcessor
+            from streamrft.config import Config
+
+            ids = k.get("input_ids", a[0] if a else None)
+            lengths = wl["shape"].step_lengths(Config().seed, calls[0], ids.shape[0] // wl["samples"], wl["samples"])
+            k["logits_processor"] = LogitsProcessorList([ForceLengthProcessor(lengths, ids.shape[1], tok.eos_token_id)])
+        calls[0] += 1
         sync()
         t0 = time.perf_counter()
         r = original(*a, **k)
@@ -245,7 +297,8 @@ def run_trl(size: str, wl: dict, out: Path, steps: int) -> dict:
         gradient_accumulation_steps=n // wl["micro_batch"], num_generations=wl["samples"],
         max_completion_length=wl["new"], temperature=1.0, top_k=0, top_p=1.0, beta=0.0, learning_rate=1e-6,
         bf16=cuda, max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", seed=0,
-        generation_kwargs={"min_new_tokens": wl["new"]}, use_vllm=False, use_cpu=not cuda,
+        generation_kwargs={"min_new_tokens": wl["new"]} if wl["kind"] != "longtail" else {}, use_vllm=False,
+        use_cpu=not cuda,
         dataloader_num_workers=0,
     )
 
@@ -258,13 +311,15 @@ def run_trl(size: str, wl: dict, out: Path, steps: int) -> dict:
     trainer.train()
     steady = step_times[1:] or step_times
     gens = gen_times[1:] or gen_times
-    tokens = n * wl["new"]
+    tokens = response_tokens(wl, steps)
     step_s, gen_s = statistics.median(steady), statistics.median(gens)
     return {
         "system": "trl", "size": size, "steps": len(step_times), "step_s": step_s, "rollout_s": gen_s,
         "train_s": step_s - gen_s, "rollout_tok_s": tokens / gen_s, "trained_tok_s": tokens / step_s,
         "phase_switch_s": 0.0, "weight_sync_s": 0.0, "engine_only_s": gen_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        # what the caching allocator held at most (allocated + cached pools): the device memory really taken
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
         "step_times": step_times, "rollout_times": gen_times,
     }
 
@@ -278,7 +333,9 @@ def report(results: dict, ceilings: dict, wl: dict, sizes: list[str]) -> str:
     B = wl["prompts"] * wl["samples"]
     bw, rate = ceilings.get("copy_bytes_per_s", 4.3e12), ceilings.get("bf16_flops_per_s", 7.9e14)
     lines = [f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s; "
-             f"B={B} prompt={wl['prompt_len']} new={wl['new']}"]
+             f"B={B} prompt={wl['prompt_len']} new={wl['new']}"
+             + (f" (longtail: median {wl['median']}, capped at new; the floor assumes every row runs to the cap)"
+                if wl.get("kind") == "longtail" else "")]
     head = (f"{'size':5} {'system':9} {'step_s':>7} {'roll_s':>7} {'train_s':>7} {'roll_tok/s':>10} {'train_tok/s':>11} "
             f"{'peak_GiB':>8} {'switch_s':>8} {'wsync_s':>7} {'eng_s':>6} {'roofl%':>6} {'lrnMFU%':>7} {'stepMFU%':>8}")
     lines.append(head)
@@ -325,13 +382,14 @@ def main() -> None:
     ap.add_argument("--systems", default="streamrft,trl,eager")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--workload", choices=("fixed", "longtail"), default="fixed")
     ap.add_argument("--worker", default="")
     ap.add_argument("--size", default="")
     ap.add_argument("--timeout", type=float, default=600)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    wl = workload(a.tiny)
+    wl = workload(a.tiny, a.workload)
     if a.worker:
         try:
             if a.worker == "trl":
@@ -373,7 +431,7 @@ def main() -> None:
             print(f"[{size}] model built in {time.perf_counter() - t0:.1f} s", flush=True)
         if True:
             cmd = [sys.executable, __file__, "--out", str(out), "--worker", system, "--size", size,
-                   "--steps", str(a.steps)] + (["--tiny"] if a.tiny else [])
+                   "--steps", str(a.steps), "--workload", a.workload] + (["--tiny"] if a.tiny else [])
             t0 = time.perf_counter()
             try:
                 env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") if system == "async" else os.environ.copy()
