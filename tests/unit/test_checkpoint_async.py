@@ -183,3 +183,15 @@ def test_async_save_setting(model_dir, tmp_path):
         validate_checkpoint(ds)
     with pytest.raises(ConfigError, match=r"checkpoint.save_timeout_s=0 must be > 0 seconds"):
         validate_checkpoint(config(model_dir, tmp_path, save_timeout_s=0))
+
+
+def test_a_signal_save_returns_only_once_its_checkpoint_is_complete(dist, model_dir, tmp_path):
+    cfg = config(model_dir, tmp_path, save_every=0, async_save=True)
+    strategy, accounting, counter, ckpt = parts(cfg, dist)
+    ckpt.resume({"generator": counter})
+    ckpt.write_hook = lambda point, path: time.sleep(0.5) if point == "meta" else None
+    train_step(strategy, accounting, counter, 1)
+    assert ckpt.step_done(1, policy_version=1) is None
+    assert ckpt.save_on_signal() == step_dir(tmp_path, 1)
+    assert read_meta(step_dir(tmp_path, 1))["reason"] == "signal"  # complete when the call returns
+    assert not ckpt._background.in_flight
