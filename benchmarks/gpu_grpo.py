@@ -232,6 +232,9 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
         "step_times": [r.get("step_seconds") for r in rows], "rollout_times": times["rollout"],
         "train_times": times["train"], "both_busy": summary.get("async_both_busy_fraction", 0.0),
+        # per step, what checkpointing blocked the step (checkpoint.async_save: the host copy only; the last
+        # step's write finishes in the background and the run waits for it at the end)
+        "checkpoint_times": [r.get("checkpoint_seconds") for r in rows],
     }
 
 
