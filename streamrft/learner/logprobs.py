@@ -141,12 +141,30 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
         input_ids=mb["input_ids"], attention_mask=attention_mask_for(model, mb["attention_mask"]),
         position_ids=mb["position_ids"], use_cache=False,
     ).last_hidden_state
+    if torch.is_grad_enabled():
+        hidden_BLH = _touch_audio_tower(model, hidden_BLH)
     return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
                                 mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"],
                                 compile_head=compile_head)
 
 
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features")
+
+
+def _touch_audio_tower(model: torch.nn.Module, hidden_BLH: torch.Tensor) -> torch.Tensor:
+    """An audio model's microbatch without clips (a padding microbatch of a rank with fewer samples): add
+    0 x the trainable audio tower and projector weights, so they get a (zero) gradient as on the ranks whose
+    microbatches had clips. FSDP2 reduce-scatters only the parameters that have a gradient, and these sit in
+    the root unit: ranks that disagree on which have one would run mismatched collectives."""
+    from streamrft.models.multimodal import model_kind
+
+    if model_kind(model) != "audio":
+        return hidden_BLH
+    base = model.model
+    params = [p for m in (base.audio_tower, base.multi_modal_projector) for p in m.parameters() if p.requires_grad]
+    if not params:
+        return hidden_BLH
+    return hidden_BLH + 0.0 * sum(p.sum() for p in params).to(hidden_BLH.dtype)
 
 
 def media_placeholder_ids(model: torch.nn.Module) -> list[int]:

@@ -79,3 +79,19 @@ def test_learner_logprobs_without_the_audio_differ_and_a_missing_clip_is_an_erro
         one_clip = {**mb, **per_sample[0]}  # two rows with placeholders, one clip
         with pytest.raises(ValueError, match=r"has \d+ <\|AUDIO\|> placeholders but its 1 clips give \d+ audio features"):
             token_logprobs(model, one_clip, temperature=0.8, with_entropy=False)
+
+
+def test_a_microbatch_without_clips_still_gives_the_audio_tower_a_zero_gradient(generated):
+    """A padding microbatch (a rank with fewer samples) on an audio model: every trainable tower and projector
+    weight gets a gradient of 0, as on ranks whose microbatches had clips (FSDP2 reduce-scatters only the
+    parameters with a gradient; ranks must agree on them)."""
+    from streamrft.learner.microbatch import padding_microbatch
+
+    model, _, _ = generated
+    model.zero_grad(set_to_none=True)
+    logp_BL, _ = token_logprobs(model, padding_microbatch(["behaviour_logprobs"]), temperature=1.0, with_entropy=False)
+    logp_BL.sum().backward()
+    tower = [(n, p) for n, p in model.named_parameters()
+             if n.startswith(("model.audio_tower.", "model.multi_modal_projector.")) and p.requires_grad]
+    assert tower and all(p.grad is not None and not p.grad.any() for _, p in tower), [n for n, p in tower if p.grad is None]
+    model.zero_grad(set_to_none=True)
