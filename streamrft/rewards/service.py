@@ -74,7 +74,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from protocols import ProtocolError, RewardItem, RewardReply, RewardRequest, decode, encode
+from protocols import MediaRef, ProtocolError, RewardItem, RewardReply, RewardRequest, decode, encode
 from streamrft.rewards.conventions import CONVENTIONS
 from streamrft.rewards.custom import BatchRewardError, RewardFunction
 from streamrft.rewards.remote import peek_request_id
@@ -436,6 +436,19 @@ def _from_openrlhf(body: Any, needs_reference: bool, fn_name: str) -> tuple[Any,
     return translated, True
 
 
+def _http_media(value, n: int) -> list[list[MediaRef]]:
+    """``"media"``: one list per query of media by reference, ``{"path", "sha256", "kind"}`` (protocols.MediaRef;
+    the files are read by a media reward model, never sent)."""
+    try:
+        out = msgspec.convert(value, list[list[MediaRef]])
+    except msgspec.ValidationError as exc:
+        raise ValueError(f'"media" must be a list of {n} lists of {{"path", "sha256", "kind"}} objects '
+                         f"(one list per query): {exc}") from None
+    if len(out) != n:
+        raise ValueError(f'"media" has {len(out)} lists for {n} queries; give one list per query')
+    return out
+
+
 def _parse_body(raw: bytes, needs_reference: bool, fn_name: str) -> tuple[RewardRequest, bool]:
     """The request of an HTTP body, and whether it came in OpenRLHF's shape (answered with "scores" too)."""
     try:
@@ -467,6 +480,7 @@ def _parse_body(raw: bytes, needs_reference: bool, fn_name: str) -> tuple[Reward
         isinstance(v, list) and all(isinstance(b, str) for b in v) for v in images
     ):
         raise ValueError(f'"images" must be a list of {n} lists of base64 strings (one list per query)')
+    media = _http_media(body.get("media", [[] for _ in range(n)]), n)
     request_id = body.get("request_id") or f"http-{uuid.uuid4().hex}"
     if not isinstance(request_id, str):
         raise ValueError('"request_id" must be a string')
@@ -475,7 +489,8 @@ def _parse_body(raw: bytes, needs_reference: bool, fn_name: str) -> tuple[Reward
         prompt = fields["prompts"][i]
         response = query[len(prompt):] if prompt and query.startswith(prompt) else query
         items.append(RewardItem(sample_id=str(i), prompt=prompt, response=response,
-                                reference=fields["references"][i], label=fields["labels"][i], images=images[i]))
+                                reference=fields["references"][i], label=fields["labels"][i], images=images[i],
+                                media=media[i]))
     request = RewardRequest(request_id=request_id, items=items)
     try:  # JSON may spell a lone surrogate ("\\ud800"), which no UTF-8 wire (nor the cache key) can carry
         _items_encoder.encode(request)

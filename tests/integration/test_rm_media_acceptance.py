@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from protocols import RewardItem, RewardRequest, encode
@@ -63,18 +64,26 @@ def test_vision_srm_reaches_85_percent_and_is_served_by_reference(prepared, caps
     assert b"\x89PNG" not in request and len(request) < 400 * len(items) < 2 * pixels  # refs on the wire, never pixels
     expected = asyncio.run(ModelReward(str(rm_dir), device="cpu").score(items))
     assert sum(expected[2 * i] > expected[2 * i + 1] for i in range(len(pairs))) >= 6  # it ranks pairs right
-    served = _serve_and_score(rm_dir, items)
+    served, served_http = _serve_and_score(rm_dir, items)
     assert served == pytest.approx(expected, abs=1e-5)
+    assert served_http == pytest.approx(expected, abs=1e-5)  # the HTTP JSON body's "media" refs likewise
 
 
-def _serve_and_score(rm_dir: Path, items: list[RewardItem]) -> list[float]:
-    """Start `serve-reward --fn model:DIR` (ZeroMQ on 127.0.0.1), score ``items`` through RemoteRewardClient."""
+def _serve_and_score(rm_dir: Path, items: list[RewardItem]) -> tuple[list[float], list[float]]:
+    """Start `serve-reward --fn model:DIR` (ZeroMQ and HTTP on 127.0.0.1); score ``items`` through
+    RemoteRewardClient and through an HTTP JSON body with "media" refs."""
+    import socket
+    import urllib.request
+
     from streamrft.rewards.remote import RemoteRewardClient
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "streamrft.rewards.service", "--fn", f"model:{rm_dir}",
-                             "--bind", "tcp://127.0.0.1:0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             "--bind", "tcp://127.0.0.1:0", "--http", f"127.0.0.1:{port}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     ready = threading.Event()
 
@@ -98,7 +107,12 @@ def _serve_and_score(rm_dir: Path, items: list[RewardItem]) -> list[float]:
             finally:
                 await client.close()
 
-        return asyncio.run(go())
+        body = {"queries": [it.prompt + it.response for it in items], "prompts": [it.prompt for it in items],
+                "media": [[msgspec.to_builtins(ref) for ref in it.media] for it in items]}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/", data=json.dumps(body).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            http_rewards = json.loads(resp.read())["rewards"]
+        return asyncio.run(go()), http_rewards
     finally:
         proc.terminate()
         proc.wait(timeout=30)
