@@ -11,14 +11,14 @@ from streamrft.envs import EnvStep
 
 
 class FlakyEnv:
-    """Two user observations, then done; sample 1 of every group raises in its second step."""
+    """A reset text, two user observations, then done; sample 1 of every group raises in its second step."""
 
     def __init__(self) -> None:
         self.turn, self.sample = 0, ""
 
     async def reset(self, row: dict) -> str | None:
         self.sample = row["sample_id"]
-        return None
+        return "go"  # appended to the message prompt as a user message
 
     async def step(self, action: str) -> EnvStep:
         self.turn += 1
@@ -66,6 +66,7 @@ def test_episodes_train_end_to_end_and_a_failing_environment_fails_only_its_samp
     failed = [r for r in records if r["status"] == "failed"]
     assert len(trained) == 4 and len(failed) == 4
     for r in trained:
+        assert r["prompt"].endswith("<eos><|user|>go<eos><|assistant|>") and r["prompt"].startswith("<|user|>")
         assert len(r["loss_mask"]) == len(r["response_ids"]) == len(r["policy_logprobs"]) == len(r["behaviour_logprobs"])
         assert r["turn_rewards"] == [0.5, 0.5, 1.0] and r["observation_roles"] == ["user", "user"]
         assert len(r["turn_starts"]) == 3 and r["turn_starts"][0] == 0
