@@ -202,6 +202,10 @@ class Checkpointer:
         every = self.cfg.checkpoint.save_every
         if (every and step % every == 0) or step == self.cfg.train.max_steps:
             return self._save("final" if step == self.cfg.train.max_steps else "periodic")
+        if self._background is not None and not self._stagers:
+            # async: allocate the host buffers now, in the background, so the first save only copies
+            for name, obj in {"": self.strategy, **self.models}.items():
+                self._stager(name).prewarm(obj.state_for_save())
         return None
 
     def save_on_signal(self) -> Path | None:

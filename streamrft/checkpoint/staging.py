@@ -10,6 +10,9 @@ may change the originals right after it returns, the background writer reads onl
   memory does not. Buffers are pinned when the source is on a GPU (device-to-host copies at full speed,
   issued non-blocking and synchronised once at the end).
 - Everything that is not a tensor (LR scheduler fields, Python scalars) is deep-copied.
+- ``prewarm(state)`` allocates (and touches) the buffers in a background thread ahead of the first save,
+  so even the first save only copies (the Checkpointer calls it after the first train step, once the
+  optimizer state exists).
 
 The caller must not stage again while a write from the previous staging is still reading the buffers
 (the Checkpointer keeps at most one save in flight, waiting for the previous one first).
@@ -18,6 +21,7 @@ The caller must not stage again while a write from the previous staging is still
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 
@@ -27,9 +31,43 @@ class HostStager:
         self._buffers: dict[tuple, torch.Tensor] = {}  # state-dict path -> reused host buffer
         self.bytes_staged = 0  # of the last stage() call
         self.bytes_allocated = 0  # of the last stage() call (0 once the buffers are warm)
+        self._prewarm: threading.Thread | None = None
+
+    def prewarm(self, state) -> None:
+        """Allocate host buffers for ``state``'s tensors in a background thread (shapes are read here,
+        nothing is copied). A failure there only means stage() allocates them itself (and raises then)."""
+        specs: list[tuple[tuple, torch.Size, torch.dtype, bool]] = []
+        self._shapes(state, (), specs)
+
+        def allocate() -> None:
+            for path, shape, dtype, pin in specs:
+                buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+                if not pin:
+                    buf.zero_()  # first touch of the pages now, not inside the train step's save
+                self._buffers.setdefault(path, buf)
+
+        self._prewarm = threading.Thread(target=allocate, name="streamrft-checkpoint-prewarm", daemon=True)
+        self._prewarm.start()
+
+    def _shapes(self, obj, path: tuple, out: list) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, DTensor):
+            obj = obj._local_tensor
+        if isinstance(obj, torch.Tensor):
+            out.append((path, obj.shape, obj.dtype, obj.is_cuda))
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                self._shapes(v, (*path, k), out)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                self._shapes(v, (*path, i), out)
 
     def stage(self, state):
         """A host-memory copy of ``state`` (nested dicts / lists / tuples of tensors and plain values)."""
+        if self._prewarm is not None:  # the buffers it is allocating are the ones about to be used
+            self._prewarm.join()
+            self._prewarm = None
         self.bytes_staged = self.bytes_allocated = 0
         self._cuda = False
         out = self._copy(state, ())

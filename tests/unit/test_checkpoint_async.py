@@ -195,3 +195,25 @@ def test_a_signal_save_returns_only_once_its_checkpoint_is_complete(dist, model_
     assert ckpt.save_on_signal() == step_dir(tmp_path, 1)
     assert read_meta(step_dir(tmp_path, 1))["reason"] == "signal"  # complete when the call returns
     assert not ckpt._background.in_flight
+
+
+def test_prewarmed_buffers_are_the_ones_the_first_save_copies_into():
+    stager = HostStager()
+    live = {"w": torch.ones(3, 4), "opt": [{"m": torch.zeros(5)}], "lr": 0.1}
+    stager.prewarm(live)
+    staged = stager.stage(live)
+    assert stager.bytes_allocated == 0 and stager.bytes_staged == (12 + 5) * 4  # allocated ahead, only copied
+    assert torch.equal(staged["w"], live["w"]) and staged["w"].data_ptr() != live["w"].data_ptr()
+
+
+def test_the_checkpointer_prewarms_after_a_step_that_does_not_save(dist, model_dir, tmp_path):
+    cfg = config(model_dir, tmp_path, save_every=2, async_save=True)
+    strategy, accounting, counter, ckpt = parts(cfg, dist)
+    ckpt.resume({"generator": counter})
+    train_step(strategy, accounting, counter, 1)
+    assert ckpt.step_done(1, policy_version=1) is None and set(ckpt._stagers) == {""}
+    train_step(strategy, accounting, counter, 2)
+    ckpt.step_done(2, policy_version=2)
+    assert ckpt._stagers[""].bytes_allocated == 0 and ckpt._stagers[""].bytes_staged > 0
+    ckpt.wait()
+    assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 2)
