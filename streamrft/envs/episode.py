@@ -144,6 +144,11 @@ class TurnBatcher:
                 raise
 
 
+class EngineTurnError(RuntimeError):
+    """The engine failed a model turn: not the environment's fault, so the run fails as a single-turn
+    generate failure would (the Generator re-raises it), instead of counting samples as env errors."""
+
+
 def _add_info(episode: Episode, step: EnvStep) -> None:
     reasons = step.info.get("tool_error_reasons")  # every error's reason; else the one tool_error_reason
     if isinstance(reasons, (list, tuple)):
@@ -158,21 +163,31 @@ def _add_info(episode: Episode, step: EnvStep) -> None:
 
 
 async def run_episode(env, engine, renderer, prompt_ids: list[int], request_id: str, seeds: tuple[int, int, int, int],
-                      max_turns: int, max_tokens: int, max_new_tokens: int) -> Episode:
+                      max_turns: int, max_tokens: int, max_new_tokens: int, context_limit: int | None = None) -> Episode:
     """Drive ``env`` (already reset) with ``engine`` from ``prompt_ids``; see the module docstring.
     ``seeds`` = (run seed, step, prompt index, sample index). ``engine``: a RolloutEngine, or a
-    :class:`TurnBatcher` shared by concurrent episodes (one call per turn of many episodes)."""
+    :class:`TurnBatcher` shared by concurrent episodes (one call per turn of many episodes).
+    ``context_limit``: the model's positions (max_position_embeddings); the episode is cut ("length")
+    rather than asking the engine for a context it cannot hold."""
     started = time.perf_counter()
     ep = Episode()
     context = list(prompt_ids)
     for turn in range(max_turns):
         budget = max_tokens - len(ep.response_ids)
+        if context_limit is not None:
+            budget = min(budget, context_limit - len(context))
+        if budget <= 0:  # only reachable through context_limit: the prompt fills the model's positions
+            raise ValueError(f"the prompt of {request_id} has {len(context)} tokens, the model holds {context_limit}")
         request = GenerationRequest(request_id=f"{request_id}-t{turn}", prompt_ids=context,
                                     seed=turn_seed(*seeds, turn), max_new_tokens=min(max_new_tokens, budget))
-        if isinstance(engine, TurnBatcher):
-            out = await engine.generate(request)
-        else:
-            (out,) = await engine.generate_all([request])
+        try:
+            if isinstance(engine, TurnBatcher):
+                out = await engine.generate(request)
+            else:
+                (out,) = await engine.generate_all([request])
+        except Exception as exc:
+            raise EngineTurnError(f"model turn {turn} of {request_id} ({len(context)} context tokens): "
+                                  f"{type(exc).__name__}: {exc}") from exc
         if turn == 0:
             ep.policy_version = out.policy_version
         ep.turn_starts.append(len(ep.response_ids))
@@ -188,6 +203,8 @@ async def run_episode(env, engine, renderer, prompt_ids: list[int], request_id: 
         ep.turn_rewards.append(float(step.reward))
         _add_info(ep, step)
         budget = max_tokens - len(ep.response_ids)
+        if context_limit is not None:
+            budget = min(budget, context_limit - len(prompt_ids) - len(ep.response_ids))
         if step.done or step.observation is None:
             break
         if turn == max_turns - 1 or budget <= 0:

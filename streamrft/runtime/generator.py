@@ -49,6 +49,21 @@ _REFILL_SEED_OFFSET = 7919
 log = logging.getLogger("streamrft")
 
 
+def _max_positions(model_path: str) -> int | None:
+    """The model's max_position_embeddings from its config.json (None when it has none we can read)."""
+    import json
+    from pathlib import Path
+
+    from streamrft.models.hub import resolve_model_dir
+
+    try:
+        config = json.loads((Path(resolve_model_dir(model_path, "model.path")) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    limit = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
+    return limit if isinstance(limit, int) else None
+
+
 @dataclass
 class StepPlan:
     step: int
@@ -118,6 +133,7 @@ class Generator(Stage):
 
             self.env_factory = load_environment(self.cfg.env.name, **self.cfg.env.kwargs)
         self.renderer = ObservationRenderer(self.tokenizer, self.cfg.data.chat_template)
+        self.context_limit = _max_positions(self.cfg.model.path)  # episodes are cut ("length") before it
 
     def _init_media(self) -> None:
         from streamrft.models.media_inputs import MediaCodec, load_processor
@@ -417,7 +433,7 @@ class Generator(Stage):
     async def _episode(self, group: PromptGroup, ids: torch.Tensor, prompt, j: int, batcher) -> None:
         """One sample as an episode; an environment that raises fails the sample (``env_error``, counted by the
         AdvantageStage like any failed sample), not the run."""
-        from streamrft.envs.episode import run_episode
+        from streamrft.envs.episode import EngineTurnError, run_episode
 
         e, sid = self.cfg.env, f"{group.group_id}-{j}"
         env = None
@@ -429,9 +445,11 @@ class Generator(Stage):
             prompt_text, p_ids = self._episode_prompt(group, ids, prompt, greeting)
             ep = await run_episode(env, batcher, self.renderer, p_ids, sid,
                                    (self.cfg.seed, group.step, group.prompt_index, j), e.max_turns, e.max_tokens,
-                                   self.cfg.engine.max_new_tokens)
+                                   self.cfg.engine.max_new_tokens, self.context_limit)
         except (asyncio.CancelledError, StageError):
             raise
+        except EngineTurnError as exc:
+            raise StageError(f"stage generator on rank {self.ctx.rank}: {exc}") from exc
         except Exception as exc:
             if self.ctx.fail_fast:
                 raise StageError(f"stage generator on rank {self.ctx.rank}: sample {sid}: environment "

@@ -312,3 +312,22 @@ def test_concurrent_episodes_share_engine_calls_per_turn_and_keep_their_own_toke
     assert calls == [4, 4, 4]
     assert [e.response_ids for e in together] == [e.response_ids for e in alone]
     assert len({tuple(e.response_ids) for e in together}) > 1  # the seeds differ per sample
+
+
+def test_an_episode_is_cut_at_the_models_positions_and_an_engine_failure_is_not_an_environment_error(episode):
+    from streamrft.envs.episode import EngineTurnError
+
+    _, prompt, tok, engine = episode
+    env = load_environment("scripted", observations=["1"] * 10, role="user")()
+    ep = asyncio.run(run_episode(env, engine, ObservationRenderer(tok), prompt, "c", SEEDS, max_turns=10,
+                                 max_tokens=100, max_new_tokens=6, context_limit=len(prompt) + 15))
+    assert ep.finish_reason == "length" and len(prompt) + len(ep.response_ids) <= len(prompt) + 15
+    assert ep.turns >= 2  # cut by the positions, not by max_turns or max_tokens
+
+    class Broken:
+        async def generate_all(self, requests):
+            raise RuntimeError("device lost")
+
+    with pytest.raises(EngineTurnError, match=r"model turn 0 of e \(\d+ context tokens\): RuntimeError: device lost"):
+        asyncio.run(run_episode(load_environment("scripted")(), Broken(), ObservationRenderer(tok), prompt, "e", SEEDS,
+                                max_turns=2, max_tokens=20, max_new_tokens=6))
