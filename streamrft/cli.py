@@ -193,6 +193,7 @@ def _run(argv: list[str]) -> int:
     from streamrft.config import ConfigError
     from streamrft.data import DataError
     from streamrft.runtime.failure_policy import FailurePolicyError
+    from streamrft.checkpoint.background import CheckpointSaveError
 
     try:
         return args.func(args)
@@ -202,6 +203,9 @@ def _run(argv: list[str]) -> int:
     except FailurePolicyError as exc:  # too many samples failed: the cause, not a traceback
         print(f"streamrft: error: {exc}", file=sys.stderr, flush=True)
         return 3
+    except CheckpointSaveError as exc:  # checkpoint.async_save: the background write failed or timed out
+        print(f"streamrft: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except OSError as exc:  # a checkpoint save on a full disk / past a file-size limit: said as such, no traceback
         from streamrft.checkpoint.manager import CheckpointWriteError
 

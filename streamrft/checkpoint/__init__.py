@@ -11,10 +11,12 @@ from streamrft.checkpoint.layout import (
     rotate,
     step_dir,
 )
+from streamrft.checkpoint.background import CheckpointSaveError
 from streamrft.checkpoint.manager import Checkpointer, CheckpointWriteError, Resumed, reset_steps_log
 from streamrft.checkpoint.rng import rng_state, set_deterministic, set_rng_state
 
 __all__ = [
+    "CheckpointSaveError",
     "CheckpointWriteError",
     "Checkpointer",
     "Resumed",

@@ -271,11 +271,11 @@ class Checkpointer:
 
     def _stage_and_submit(self, path: Path, snap: _Snapshot, reason: str, started: float) -> None:
         """The training thread's part of an async save: the rank file, then the state copied to host memory."""
+        group = self._checkpoint_group()  # first: a collective, before anything that may fail on one rank only
         path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(rank_file(path, self.dist.rank), snap.rank_state)
         parts = {"": self.strategy, **self.models}
         staged = {name: self._stager(name).stage(obj.state_for_save()) for name, obj in parts.items()}
-        group = self._checkpoint_group()
         self._background.submit(path, lambda: self._write_staged(path, snap, reason, staged, group, started))
 
     def _stager(self, name: str):
