@@ -193,7 +193,6 @@ def _run(argv: list[str]) -> int:
     from streamrft.config import ConfigError
     from streamrft.data import DataError
     from streamrft.runtime.failure_policy import FailurePolicyError
-    from streamrft.checkpoint.background import CheckpointSaveError
 
     try:
         return args.func(args)
@@ -203,7 +202,11 @@ def _run(argv: list[str]) -> int:
     except FailurePolicyError as exc:  # too many samples failed: the cause, not a traceback
         print(f"streamrft: error: {exc}", file=sys.stderr, flush=True)
         return 3
-    except CheckpointSaveError as exc:  # checkpoint.async_save: the background write failed or timed out
+    except RuntimeError as exc:  # checkpoint.async_save: the background write failed or timed out, said as such
+        from streamrft.checkpoint.background import CheckpointSaveError  # (imported here: it loads torch)
+
+        if not isinstance(exc, CheckpointSaveError):
+            raise
         print(f"streamrft: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except OSError as exc:  # a checkpoint save on a full disk / past a file-size limit: said as such, no traceback
