@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
-from pipelines.calculator.task import (CALCULATOR_SCHEMA, direct_trace, make_rows, read_rows, tool_trace,  # noqa: E402
+from pipelines.calculator.task import (direct_trace, make_rows, read_rows, tool_trace,  # noqa: E402
                                        trace_ids, write_rows)
 from streamrft.learner.sft import IGNORE, answer_loss  # noqa: E402
 
@@ -37,8 +37,9 @@ log = logging.getLogger("calculator.prepare")
 
 MODEL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
              max_position_embeddings=192)
-WARMUP = dict(steps=400, lr=3e-3, batch_size=32, n_traces=600, tool_fraction=0.3)
-TOOLS = [CALCULATOR_SCHEMA]
+WARMUP = dict(steps=1000, lr=3e-3, batch_size=32, n_traces=600, tool_fraction=0.5)
+# The Generator renders prompts without tools= (the data rows carry no tool list), so the traces do too.
+TOOLS = None
 
 
 def _has_model(path: str) -> bool:
