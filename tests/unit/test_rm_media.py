@@ -251,3 +251,28 @@ def test_a_media_judge_writes_the_same_verdict_batched_or_alone_and_learns_a_row
     judge.save_pretrained(tmp_path / "judge")
     loaded = GenerativeJudge.from_pretrained(tmp_path / "judge")
     assert loaded.media == IMAGE and loaded.generate(prompts[:1], media=[rows[0].media]) == [rows[0].judgment]
+
+
+def test_hps_and_tie_losses_on_media_pairs_match_their_formulas(vl):
+    import math
+
+    from streamrft.rm.train import pair_batch_loss
+
+    _, backbone, pairs_path = vl
+    pairs = read_preference_pairs(pairs_path, IMAGE)[:4]
+    pairs[1].tie = True
+    rm = ScalarRewardModel.from_backbone(backbone, media=IMAGE)
+    rm.eval()
+    r_c = rm.score([p.prompt for p in pairs], [p.chosen for p in pairs], media=[p.media for p in pairs])
+    r_r = rm.score([p.prompt for p in pairs], [p.rejected for p in pairs], media=[p.media for p in pairs])
+    T = 0.5
+
+    def logp_first(a, b):  # log softmax([a, b] / T)[0]
+        return a / T - math.log(math.exp(a / T) + math.exp(b / T))
+
+    expected = [-(0.5 * (logp_first(c, r) + logp_first(r, c)) if p.tie else logp_first(c, r))
+                for p, c, r in zip(pairs, r_c, r_r)]
+    with torch.no_grad():
+        loss, got_c, got_r = pair_batch_loss(rm, pairs, "hps", T)
+    assert got_c[:, 0].tolist() == pytest.approx(r_c, abs=1e-5) and got_r[:, 0].tolist() == pytest.approx(r_r, abs=1e-5)
+    assert loss.item() == pytest.approx(sum(expected) / len(expected), abs=1e-5)
