@@ -226,3 +226,44 @@ async def run_episode(env, engine, renderer, prompt_ids: list[int], request_id: 
         context = list(prompt_ids) + ep.response_ids
     ep.seconds = time.perf_counter() - started
     return ep
+
+
+def prompt_with_reset_text(tokenizer, prompt, prompt_text: str, prompt_ids_: list[int], reset_text: str | None,
+                           chat_template: str, system_prompt: str, loc: str) -> tuple[str, list[int]]:
+    """The episode's prompt (text, ids): the row's, or with the environment's reset text appended, as a final
+    user message for message-list prompts and as plain text otherwise (never trained either way)."""
+    from streamrft.data.chat import prompt_ids
+
+    if not reset_text:
+        return prompt_text, list(prompt_ids_)
+    if isinstance(prompt, (list, tuple)):
+        prompt = [*prompt, {"role": "user", "content": reset_text}]
+    else:
+        prompt = f"{prompt_text}{reset_text}"
+    return prompt_ids(tokenizer, prompt, chat_template, system_prompt, f"{loc} (with the environment's reset text)")
+
+
+def max_positions(model_path: str) -> int | None:
+    """The model's max_position_embeddings from its config.json (None when it has none we can read)."""
+    import json
+    from pathlib import Path
+
+    from streamrft.models.hub import resolve_model_dir
+
+    try:
+        config = json.loads((Path(resolve_model_dir(model_path, "model.path")) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    limit = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
+    return limit if isinstance(limit, int) else None
+
+
+def environment_factory(env_cfg, rank: int = 0):
+    """A fresh Environment per episode for the config's ``env`` section: in process, or a serve-env client."""
+    if env_cfg.address:
+        from streamrft.envs.remote import remote_environment_factory
+
+        return remote_environment_factory(env_cfg, rank)
+    from streamrft.envs.base import load_environment
+
+    return load_environment(env_cfg.name, **env_cfg.kwargs)

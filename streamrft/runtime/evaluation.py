@@ -3,6 +3,11 @@
 Each rank evaluates rows rank, rank + W, ...; sums are all-reduced, so the number is the same for
 any number of ranks. ``accuracy`` counts samples whose reward reaches ``correct_threshold``.
 
+Multi-turn runs (``env`` = the config's env section with ``env.name`` set): every held-out row is a greedy
+episode against the environment, exactly as in training (streamrft.envs.episode), and the reward sources
+score the whole decoded response; ``heldout_env_turns_mean`` and ``heldout_env_tool_calls`` (per episode)
+are added. An episode whose environment raises scores 0 and is counted in ``heldout_env_errors``.
+
 Media rows: ``media`` (the Generator's ``MediaCodec``, passed by the driver) decodes each row's images / audio into the engine's
 ``mm_inputs``. A held-out row whose media cannot be read scores 0 and is counted in ``heldout_media_errors``.
 """
@@ -23,7 +28,7 @@ from streamrft.rewards.conventions import reward_columns
 log = logging.getLogger("streamrft")
 
 
-async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: int, all_reduce_sum, limit: int = 0, correct_threshold: float = 1.0, media=None, chat_template: str = "auto", system_prompt: str = "") -> dict[str, float]:
+async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: int, all_reduce_sum, limit: int = 0, correct_threshold: float = 1.0, media=None, chat_template: str = "auto", system_prompt: str = "", env=None, model_path: str = "", max_new_tokens: int = 0) -> dict[str, float]:
     rows = dataset.rows[:limit] if limit else dataset.rows
     mine = rows[rank::world_size]
     requests, mm, kept, errors, texts, refs = [], {}, [], 0, {}, {}
@@ -48,6 +53,9 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
             mm[str(i)] = inputs
         requests.append(GenerationRequest(request_id=str(i), prompt_ids=ids, seed=0))
         kept.append((i, r))
+    if env is not None and env.name:
+        return await _evaluate_episodes(engine, tokenizer, env, model_path, max_new_tokens, requests, kept, texts, scorer,
+                                        rank, all_reduce_sum, correct_threshold, chat_template, system_prompt, dataset.path)
     generation = engine.generate(requests, mm_inputs=mm) if mm else engine.generate(requests)
     outputs = {out.request_id: out async for out in generation} if requests else {}
     items = [
@@ -64,6 +72,66 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
     ]
     return await _score(items, scorer, all_reduce_sum, correct_threshold, errors,
                         extra="heldout_media_errors" if media is not None else None)
+
+
+async def _evaluate_episodes(engine, tokenizer, env, model_path, max_new_tokens, requests, kept, texts, scorer, rank,
+                             all_reduce_sum, correct_threshold, chat_template, system_prompt, path) -> dict[str, float]:
+    """Held-out rows as greedy episodes (their model turns batched per turn), then scored like single turns."""
+    import asyncio
+
+    from streamrft.envs.episode import (EngineTurnError, TurnBatcher, environment_factory, max_positions,
+                                        prompt_with_reset_text, run_episode)
+    from streamrft.envs.render import ObservationRenderer
+
+    factory, renderer = environment_factory(env, rank), ObservationRenderer(tokenizer, chat_template)
+    limit, batcher = max_positions(model_path) if model_path else None, TurnBatcher(engine)
+
+    async def one(request, i, r):
+        e = None
+        try:
+            e = factory()
+            reset = await e.reset({**reward_columns(r.extra, r.prompt), "prompt": r.prompt, "reference": r.reference,
+                                   "label": r.label, "data_row": r.row, "sample_id": f"heldout-{r.row}"})
+            text, ids = prompt_with_reset_text(tokenizer, r.prompt, texts[i], request.prompt_ids, reset, chat_template,
+                                               system_prompt, f"{path}: row {r.row}")
+            return i, text, await run_episode(e, batcher, renderer, ids, f"heldout-{i}", (0, 0, i, 0), env.max_turns,
+                                              env.max_tokens, max_new_tokens, limit)
+        except EngineTurnError:
+            raise
+        except Exception as exc:  # the environment failed this row: it scores 0, counted
+            log.warning("evaluation rank %d: row %d: environment %r failed: %s: %s", rank, r.row, env.name,
+                        type(exc).__name__, exc)
+            return i, None, None
+        finally:
+            batcher.leave()
+            if e is not None:
+                try:
+                    await e.close()
+                except Exception:
+                    pass
+
+    for _ in kept:
+        batcher.enter()
+    done = await asyncio.gather(*(one(q, i, r) for q, (i, r) in zip(requests, kept)))
+    await batcher.drain()
+    rows = dict(kept)
+    items, episodes = [], []
+    for i, text, ep in done:
+        if ep is None:
+            continue
+        episodes.append(ep)
+        r = rows[i]
+        items.append(RewardItem(sample_id=f"eval-{rank}-{i}", prompt=text,
+                                response=tokenizer.decode(ep.response_ids, skip_special_tokens=True),
+                                reference=r.reference, label=r.label, columns=reward_columns(r.extra, r.prompt)))
+    failed = len(done) - len(episodes)
+    out = await _score(items, scorer, all_reduce_sum, correct_threshold, failed, extra="heldout_env_errors")
+    sums = all_reduce_sum(torch.tensor([float(len(episodes)), float(sum(e.turns for e in episodes)),
+                                        float(sum(e.info.get("tool_calls", 0.0) for e in episodes))], dtype=torch.float64))
+    n = max(sums[0].item(), 1.0)
+    out["heldout_env_turns_mean"] = sums[1].item() / n
+    out["heldout_env_tool_calls"] = sums[2].item() / n
+    return out
 
 
 async def _score(items, scorer, all_reduce_sum, correct_threshold, n_errors: int = 0, extra=None) -> dict[str, float]:

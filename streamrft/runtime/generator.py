@@ -49,21 +49,6 @@ _REFILL_SEED_OFFSET = 7919
 log = logging.getLogger("streamrft")
 
 
-def _max_positions(model_path: str) -> int | None:
-    """The model's max_position_embeddings from its config.json (None when it has none we can read)."""
-    import json
-    from pathlib import Path
-
-    from streamrft.models.hub import resolve_model_dir
-
-    try:
-        config = json.loads((Path(resolve_model_dir(model_path, "model.path")) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    limit = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
-    return limit if isinstance(limit, int) else None
-
-
 @dataclass
 class StepPlan:
     step: int
@@ -122,18 +107,12 @@ class Generator(Stage):
             self._init_env()
 
     def _init_env(self) -> None:
+        from streamrft.envs.episode import environment_factory, max_positions
         from streamrft.envs.render import ObservationRenderer
 
-        if self.cfg.env.address:
-            from streamrft.envs.remote import remote_environment_factory  # owner C: the serve-env client
-
-            self.env_factory = remote_environment_factory(self.cfg.env, self.ctx.rank)
-        else:
-            from streamrft.envs.base import load_environment
-
-            self.env_factory = load_environment(self.cfg.env.name, **self.cfg.env.kwargs)
+        self.env_factory = environment_factory(self.cfg.env, self.ctx.rank)  # in process, or a serve-env client
         self.renderer = ObservationRenderer(self.tokenizer, self.cfg.data.chat_template)
-        self.context_limit = _max_positions(self.cfg.model.path)  # episodes are cut ("length") before it
+        self.context_limit = max_positions(self.cfg.model.path)  # episodes are cut ("length") before it
 
     def _init_media(self) -> None:
         from streamrft.models.media_inputs import MediaCodec, load_processor
@@ -417,23 +396,10 @@ class Generator(Stage):
 
     # ------------------------------------------------------------------ multi-turn episodes
 
-    def _episode_prompt(self, group: PromptGroup, ids: torch.Tensor, prompt, greeting: str | None) -> tuple[str, list[int]]:
-        """The sample's prompt: the group's, or with the environment's reset text appended (never trained)."""
-        if not greeting:
-            return group.prompt_text, ids.tolist()
-        d = self.cfg.data
-        if isinstance(prompt, (list, tuple)):
-            prompt = [*prompt, {"role": "user", "content": greeting}]
-        else:
-            prompt = f"{group.prompt_text}{greeting}"
-        text, new_ids = prompt_ids(self.tokenizer, prompt, d.chat_template, d.system_prompt,
-                                   f"{self.dataset.path}: row {group.data_row} (with the environment's reset text)")
-        return text, new_ids
-
     async def _episode(self, group: PromptGroup, ids: torch.Tensor, prompt, j: int, batcher) -> None:
         """One sample as an episode; an environment that raises fails the sample (``env_error``, counted by the
         AdvantageStage like any failed sample), not the run."""
-        from streamrft.envs.episode import EngineTurnError, run_episode
+        from streamrft.envs.episode import EngineTurnError, prompt_with_reset_text, run_episode
 
         e, sid = self.cfg.env, f"{group.group_id}-{j}"
         env = None
@@ -442,7 +408,10 @@ class Generator(Stage):
             row = {**group.columns, "prompt": prompt, "reference": group.reference, "label": group.label,
                    "data_row": group.data_row, "sample_id": sid}
             greeting = await env.reset(row)
-            prompt_text, p_ids = self._episode_prompt(group, ids, prompt, greeting)
+            d = self.cfg.data
+            prompt_text, p_ids = prompt_with_reset_text(self.tokenizer, prompt, group.prompt_text, ids.tolist(), greeting,
+                                                        d.chat_template, d.system_prompt,
+                                                        f"{self.dataset.path}: row {group.data_row}")
             ep = await run_episode(env, batcher, self.renderer, p_ids, sid,
                                    (self.cfg.seed, group.step, group.prompt_index, j), e.max_turns, e.max_tokens,
                                    self.cfg.engine.max_new_tokens, self.context_limit)

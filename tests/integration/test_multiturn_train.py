@@ -45,7 +45,8 @@ def test_episodes_train_end_to_end_and_a_failing_environment_fails_only_its_samp
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+1"}], "reference": str(i + 1)}) + "\n"
                             for i in range(8)))
     cfg = load_config(None, [
-        f"model.path={model}", f"data.train_path={data}", "data.eval_path=", f"output_dir={tmp_path / 'out'}",
+        f"model.path={model}", f"data.train_path={data}", f"data.eval_path={data}", "data.eval_size=4",
+        f"output_dir={tmp_path / 'out'}",
         f"sinks.jsonl={tmp_path / 'traj'}", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
         "rollout.stage_timeout_s=60", "train.max_steps=2", "engine.max_new_tokens=4",
         "reward.sources=[{name: exact, type: rule, fn: gsm8k}]",
@@ -55,6 +56,10 @@ def test_episodes_train_end_to_end_and_a_failing_environment_fails_only_its_samp
     summary = train(cfg)
     assert summary["steps"] == 2
     assert summary["samples_admitted"] == 8 and summary["samples_trained"] == 4
+    # held-out rows are greedy episodes too: 4 rows, "heldout-1" fails in its environment (scores 0, counted)
+    for when in ("before", "after"):
+        assert summary[f"heldout_n_{when}"] == 4 and summary[f"heldout_env_errors_{when}"] == 1
+        assert summary[f"heldout_env_turns_mean_{when}"] == 3.0 and summary[f"heldout_env_tool_calls_{when}"] == 2.0
 
     steps = [json.loads(line) for line in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
     for s in steps:
