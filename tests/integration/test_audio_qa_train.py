@@ -14,7 +14,7 @@ import pytest
 from streamrft.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
-N_SAMPLES, PROMPTS, STEPS = 8, 16, 20
+N_SAMPLES, PROMPTS, STEPS = 8, 16, 6
 
 
 @pytest.mark.slow
@@ -45,8 +45,8 @@ def test_audio_policy_trains_through_the_runtime_and_its_heldout_accuracy_rises(
     assert summary["heldout_n_before"] == summary["heldout_n_after"] == 100
     assert summary["heldout_media_errors_before"] == summary["heldout_media_errors_after"] == 0
     assert summary["heldout_accuracy_before"] < 0.65, summary
-    # ... and RL with the audio raises it by >= 15 points within the 5-minute budget (measured: 0.52 -> 1.0
-    # in 40 steps, training reward 0.45 -> 0.9 by step 20)
+    # ... and RL with the audio raises it by >= 15 points within the 5-minute budget (measured: 0.50 -> 1.0
+    # held-out greedy by step 4 when evaluated every 4 steps; 20 steps took 91 s on a loaded 2-core CPU)
     assert summary["heldout_accuracy_after"] >= summary["heldout_accuracy_before"] + 0.15, summary
     assert seconds < 300, f"{seconds:.0f}s"
 

@@ -1,4 +1,4 @@
-"""Multimodal pipelines: shipped GPU configs validate; the CPU audio QA pipeline runs end to end."""
+"""Multimodal pipelines: shipped GPU configs validate; the CPU visual-count pipeline runs end to end (audio_qa: tests/integration/test_audio_qa_train.py)."""
 
 import os
 import subprocess
