@@ -144,6 +144,21 @@ class TurnBatcher:
                 raise
 
 
+class EnvTimeoutError(TimeoutError):
+    """An environment call (reset, step, close) did not return within its bound."""
+
+
+async def env_call(awaitable, what: str, timeout_s: float | None):
+    """``await awaitable`` within ``timeout_s`` (None: no bound); EnvTimeoutError naming the call otherwise.
+    Only a call that awaits can be interrupted: an environment that blocks the event loop stalls it."""
+    if timeout_s is None:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        raise EnvTimeoutError(f"{what} did not return within {timeout_s:g}s (rollout.stage_timeout_s)") from None
+
+
 class EngineTurnError(RuntimeError):
     """The engine failed a model turn: not the environment's fault, so the run fails as a single-turn
     generate failure would (the Generator re-raises it), instead of counting samples as env errors."""
@@ -163,12 +178,13 @@ def _add_info(episode: Episode, step: EnvStep) -> None:
 
 
 async def run_episode(env, engine, renderer, prompt_ids: list[int], request_id: str, seeds: tuple[int, int, int, int],
-                      max_turns: int, max_tokens: int, max_new_tokens: int, context_limit: int | None = None) -> Episode:
+                      max_turns: int, max_tokens: int, max_new_tokens: int, context_limit: int | None = None,
+                      call_timeout_s: float | None = None) -> Episode:
     """Drive ``env`` (already reset) with ``engine`` from ``prompt_ids``; see the module docstring.
     ``seeds`` = (run seed, step, prompt index, sample index). ``engine``: a RolloutEngine, or a
     :class:`TurnBatcher` shared by concurrent episodes (one call per turn of many episodes).
     ``context_limit``: the model's positions (max_position_embeddings); the episode is cut ("length")
-    rather than asking the engine for a context it cannot hold."""
+    rather than asking the engine for a context it cannot hold. ``call_timeout_s`` bounds each env.step."""
     started = time.perf_counter()
     ep = Episode()
     context = list(prompt_ids)
@@ -197,7 +213,7 @@ async def run_episode(env, engine, renderer, prompt_ids: list[int], request_id: 
         ep.token_versions += list(out.token_versions or [out.policy_version] * len(out.response_ids))
         ep.finish_reason = out.finish_reason
         text = renderer.tokenizer.decode(out.response_ids, skip_special_tokens=True)
-        step = await env.step(text)
+        step = await env_call(env.step(text), f"{type(env).__name__}.step (turn {turn})", call_timeout_s)
         if not isinstance(step, EnvStep):
             raise TypeError(f"environment {type(env).__name__}.step returned {type(step).__name__}, not an EnvStep")
         ep.turn_rewards.append(float(step.reward))

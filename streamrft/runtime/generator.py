@@ -399,7 +399,7 @@ class Generator(Stage):
     async def _episode(self, group: PromptGroup, ids: torch.Tensor, prompt, j: int, batcher) -> None:
         """One sample as an episode; an environment that raises fails the sample (``env_error``, counted by the
         AdvantageStage like any failed sample), not the run."""
-        from streamrft.envs.episode import EngineTurnError, prompt_with_reset_text, run_episode
+        from streamrft.envs.episode import EngineTurnError, env_call, prompt_with_reset_text, run_episode
 
         e, sid = self.cfg.env, f"{group.group_id}-{j}"
         env = None
@@ -407,14 +407,15 @@ class Generator(Stage):
             env = self.env_factory()
             row = {**group.columns, "prompt": prompt, "reference": group.reference, "label": group.label,
                    "data_row": group.data_row, "sample_id": sid}
-            greeting = await env.reset(row)
+            bound = self.ctx.stage_timeout_s  # every environment call is bounded, like any wait of a stage
+            greeting = await env_call(env.reset(row), f"{type(env).__name__}.reset", bound)
             d = self.cfg.data
             prompt_text, p_ids = prompt_with_reset_text(self.tokenizer, prompt, group.prompt_text, ids.tolist(), greeting,
                                                         d.chat_template, d.system_prompt,
                                                         f"{self.dataset.path}: row {group.data_row}")
             ep = await run_episode(env, batcher, self.renderer, p_ids, sid,
                                    (self.cfg.seed, group.step, group.prompt_index, j), e.max_turns, e.max_tokens,
-                                   self.cfg.engine.max_new_tokens, self.context_limit)
+                                   self.cfg.engine.max_new_tokens, self.context_limit, bound)
         except (asyncio.CancelledError, StageError):
             raise
         except EngineTurnError as exc:
@@ -435,7 +436,7 @@ class Generator(Stage):
         finally:
             if env is not None:
                 try:
-                    await env.close()
+                    await env_call(env.close(), f"{type(env).__name__}.close", self.ctx.stage_timeout_s)
                 except Exception as exc:  # a failing close must not hide the episode's own outcome
                     log.warning("generator rank %d: environment %r close() of %s raised %s: %s", self.ctx.rank,
                                 e.name, sid, type(exc).__name__, exc)

@@ -331,3 +331,17 @@ def test_an_episode_is_cut_at_the_models_positions_and_an_engine_failure_is_not_
     with pytest.raises(EngineTurnError, match=r"model turn 0 of e \(\d+ context tokens\): RuntimeError: device lost"):
         asyncio.run(run_episode(load_environment("scripted")(), Broken(), ObservationRenderer(tok), prompt, "e", SEEDS,
                                 max_turns=2, max_tokens=20, max_new_tokens=6))
+
+
+def test_an_environment_step_that_never_returns_ends_in_an_error_naming_the_call(episode):
+    from streamrft.envs.episode import EnvTimeoutError
+
+    _, prompt, tok, engine = episode
+
+    class Hangs(CalcTool):
+        async def step(self, action):
+            await asyncio.sleep(3600)
+
+    with pytest.raises(EnvTimeoutError, match=r"^Hangs.step \(turn 0\) did not return within 0.2s \(rollout.stage_timeout_s\)$"):
+        asyncio.run(run_episode(Hangs(), engine, ObservationRenderer(tok), prompt, "h", SEEDS, max_turns=2,
+                                max_tokens=20, max_new_tokens=3, call_timeout_s=0.2))
