@@ -11,7 +11,8 @@ Rows are jsonl with the prompt as chat messages (the episode is a chat: user, as
 
 The chat template speaks Hermes/Qwen-style tool calls in a compact form the character tokenizer can spell:
 an assistant turn with ``tool_calls`` renders as ``<tool_call>{"name":"calculator","arguments":{...}}</tool_call>``,
-a tool result as ``<|tool|>RESULT<eos>``, and ``tools=`` as one system line naming the tools.
+a tool result as ``<|tool|>RESULT<eos>``, and ``tools=`` as one system line naming the tools. The final
+answer follows ``####`` (``reward`` reads only what follows the last one).
 """
 
 from __future__ import annotations
@@ -59,12 +60,6 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
 )
-CALCULATOR_SCHEMA = {
-    "type": "function",
-    "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
-                 "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                                "required": ["expression"]}},
-}
 
 
 def build_tokenizer(out_dir: str):

@@ -83,3 +83,14 @@ def test_warmup_trace_equals_the_runtime_episode(tokenizer):
             assert step.done and step.info["tool_calls"] == 0
     assert context == want
     assert sum(mask) == n_model
+
+
+def test_template_renders_tools_and_refuses_unknown_roles(tokenizer):
+    from streamrft.envs.tool_env import TOOL_SCHEMAS
+
+    messages = [{"role": "user", "content": "1+2+3"}]
+    text = tokenizer.apply_chat_template(messages, tools=[TOOL_SCHEMAS["calculator"], TOOL_SCHEMAS["python"]],
+                                         tokenize=False, add_generation_prompt=True)
+    assert text == "<|system|>tools:calculator,python<eos><|user|>1+2+3<eos><|assistant|>"
+    with pytest.raises(Exception, match="role critic is not system, user, assistant or tool"):
+        tokenizer.apply_chat_template([{"role": "critic", "content": "x"}], tokenize=False)
