@@ -315,9 +315,11 @@ class Checkpointer:
                 raise disk from exc
             ranks = sorted(getattr(exc, "failures", {}) or [])
             where = f"rank(s) {', '.join(map(str, ranks))}" if ranks else f"rank {self.dist.rank}"
+            missing = _ranks_without_shards(path, self.dist.world_size)  # who did not write (e.g. a dead rank)
+            absent = f" (no shard file from rank(s) {', '.join(map(str, missing))})" if missing else ""
             raise CheckpointSaveError(
-                f"checkpoint {path}: the background write failed on {where}: {_reason(exc)}; it has no meta.json, "
-                "so the previous complete checkpoint stays the latest") from exc
+                f"checkpoint {path}: the background write failed on {where}: {_reason(exc)}{absent}; it has no "
+                "meta.json, so the previous complete checkpoint stays the latest") from exc
 
     def _hook(self, point: str, path: Path) -> None:
         if self.write_hook is not None:
@@ -364,6 +366,11 @@ class Checkpointer:
     def _say(self, text: str) -> None:
         if self.dist.rank == 0:
             print(f"streamrft: {text}", flush=True)
+
+
+def _ranks_without_shards(path: Path, world_size: int) -> list[int]:
+    """Ranks with no DCP shard file (``__{rank}_{n}.distcp``) in ``path``: the ones a failed save waited for."""
+    return [r for r in range(world_size) if not any(path.glob(f"__{r}_*.distcp"))]
 
 
 def _reason(exc: BaseException) -> str:

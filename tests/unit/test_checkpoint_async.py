@@ -92,7 +92,8 @@ def test_a_failing_background_write_fails_the_next_step_loudly(dist, model_dir, 
         ckpt.step_done(3, policy_version=3)
     assert str(info.value) == (
         f"checkpoint {step_dir(tmp_path, 2)}: the background write failed on rank 0: OSError: [Errno 5] "
-        "Input/output error (injected); it has no meta.json, so the previous complete checkpoint stays the latest")
+        "Input/output error (injected) (no shard file from rank(s) 0); it has no meta.json, so the previous "
+        "complete checkpoint stays the latest")
     assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 1)
     ckpt.wait()  # the error is raised once; nothing else is in flight
 
