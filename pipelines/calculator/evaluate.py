@@ -32,6 +32,7 @@ class _Open:
 async def _episodes(engine, tokenizer, rows: list[dict], make_env, max_turns: int, max_tokens: int,
                     max_new_tokens: int) -> list[_Open]:
     from streamrft.data.chat import prompt_ids
+    from streamrft.engines.base import GenerationRequest
     from streamrft.envs.render import ObservationRenderer
 
     renderer = ObservationRenderer(tokenizer)
@@ -46,8 +47,6 @@ async def _episodes(engine, tokenizer, rows: list[dict], make_env, max_turns: in
         for turn in range(max_turns):
             if not open_:
                 break
-            from streamrft.engines.base import GenerationRequest
-
             requests = [GenerationRequest(f"{e.index}-t{turn}", e.context, seed=0,
                                           max_new_tokens=min(max_new_tokens, max_tokens - len(e.response)))
                         for e in open_]
