@@ -81,9 +81,9 @@ class Service:
         self.lines: list[str] = []
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(20):
+        if not self._ready.wait(90):  # start-up imports torch: slow on a loaded 2-core machine
             self.proc.kill()
-            raise AssertionError(f"serve-env not ready in 20 s; output: {self.lines}")
+            raise AssertionError(f"serve-env not ready in 90 s; output: {self.lines}")
         assert self.proc.poll() is None, self.lines
 
     def _read(self) -> None:

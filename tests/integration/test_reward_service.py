@@ -65,9 +65,9 @@ class Service:
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if not self._ready.wait(20):
+        if not self._ready.wait(90):  # start-up imports torch: slow on a loaded 2-core machine
             self.stop(signal.SIGKILL)
-            raise AssertionError(f"serve-reward not ready in 20 s; output: {self.lines}")
+            raise AssertionError(f"serve-reward not ready in 90 s; output: {self.lines}")
 
     def _read(self) -> None:
         for line in self.proc.stdout:
