@@ -7,6 +7,7 @@ subsequence (checked against an independent loop)."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -239,8 +240,9 @@ def test_gae_bootstraps_across_turns_from_the_next_model_token_value(dist, model
 ESTIMATORS = {
     "group_norm": [], "dr_grpo": ["algorithm.loss_agg_mode=seq-mean-token-sum-norm"], "rloo": [],
     "reinforce_baseline": [], "cpgd": ["algorithm.policy_loss=cpg"], "reinforce": [],
-    "reinforce++": ["algorithm.whiten_advantages=true"],
-    "group_norm+packing": ["train.packing=true"],  # the packed layout carries the mask too
+    "reinforce++": ["algorithm.whiten_advantages=true", "algorithm.kl_coef=0.05", "algorithm.kl_mode=reward"],
+    "gae": ["algorithm.lam=0.95"],  # with a real critic (the tiny model + value head)
+    "group_norm+packing": ["train.packing=true", "algorithm.kl_coef=0.05"],  # packed rows; KL in the loss
 }
 
 
@@ -251,13 +253,19 @@ def test_every_estimator_trains_with_masks_and_ignores_observation_positions(dis
     from streamrft.algorithms import one_group_advantages
 
     ep, prompt, _, _ = episode
+    from streamrft.learner.critic import Critic
+    from streamrft.learner.reference import FrozenReference
+
+    critic_path = [f"model.critic_path={model_dir}"] if estimator == "gae" else []
     cfg = _cfg(model_dir, f"algorithm.advantage_estimator={estimator.split('+')[0]}", "algorithm.tis_mode=token",
-               *ESTIMATORS[estimator])
+               *ESTIMATORS[estimator], *critic_path)
     obs = ~torch.tensor(ep.loss_mask, dtype=torch.bool)
     results = []
     for garbage in (False, True):
         strategy = FSDP2Strategy(cfg.model, cfg.train, dist, total_steps=10)
-        actor = ActorUpdate(strategy, None, cfg, all_reduce_sum)
+        reference = FrozenReference(model_dir, cfg.model, dist) if cfg.algorithm.kl_coef > 0 else None
+        critic = Critic(cfg.model, cfg.train, cfg.algorithm.value_clip_eps, dist, 10) if critic_path else None
+        actor = ActorUpdate(strategy, reference, cfg, all_reduce_sum, critic)
         rewards = torch.tensor([1.0, 0.0], dtype=torch.float64)
         if actor.estimator.scope == "group":
             advs = one_group_advantages(rewards, [len(ep.response_ids)] * 2, cfg.algorithm)
@@ -272,7 +280,11 @@ def test_every_estimator_trains_with_masks_and_ignores_observation_positions(dis
         out = actor.train_step(batch)
         assert all(torch.isfinite(torch.tensor(v)) for v in out.values()), out
         assert out["train_tokens"] == 2 * float(sum(ep.loss_mask))
-        results.append((out["loss"], out["grad_norm"]))
+        if reference is not None:
+            assert "kl" in out and math.isfinite(out["kl"])
+        if critic is not None:
+            assert out["value_loss"] > 0
+        results.append((out["loss"], out["grad_norm"]) + ((out["value_loss"],) if critic is not None else ()))
     assert results[0][1] > 0
     assert results[1] == pytest.approx(results[0], abs=1e-6)
 
