@@ -3,9 +3,10 @@
 - videos and rows: train.jsonl / eval.jsonl (RL prompts, mp4 files), rm_train.jsonl / rm_eval.jsonl
   (preference pairs on other videos) (task.py);
 - policy: a tiny Qwen2-VL with a short supervised warm-up (``sft_steps``): it learns the answer format and
-  part of the skill, so RL has room to raise it (sft/);
-- reward-model backbone: a fresh tiny Qwen2-VL of the same shape, other seed (rm_base/); the RM itself is
-  trained from it by `streamrft train-rm pipelines/video_rm_rl/rm.yaml` (demo.py does it).
+  a little of the skill, so RL has room to raise it (sft/);
+- reward-model backbone: a tiny Qwen2-VL of the same shape, other seed, warmed up longer
+  (``rm_warmup_steps``) on other videos to name the colour (rm_base/); the RM itself is trained from it
+  by `streamrft train-rm pipelines/video_rm_rl/rm.yaml` (demo.py does it).
 
     python -m pipelines.video_rm_rl.prepare --out runs/video_rm_rl
 """
@@ -32,7 +33,8 @@ def video_inputs(processor, examples) -> list[dict]:
             for frames, _ in examples]
 
 
-def warm_up(base: str, out: str, steps: int, batch_size: int = 32, lr: float = 3e-3, seed: int = 0) -> float:
+def warm_up(base: str, out: str, steps: int, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
+            data_seed: int = 1000) -> float:
     """Supervised warm-up of the policy on fresh examples; saves to ``out``; returns the last loss."""
     torch.manual_seed(seed)
     model, processor, _ = load_multimodal_policy(base)
@@ -40,7 +42,7 @@ def warm_up(base: str, out: str, steps: int, batch_size: int = 32, lr: float = 3
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     loss = torch.tensor(float("nan"))
     for step in range(steps):
-        examples = make_examples(batch_size, seed=1000 + step)
+        examples = make_examples(batch_size, seed=data_seed + step)
         batch = collate_prompts(video_inputs(processor, examples), tok.pad_token_id)
         targets = [tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, c in examples]
         logp_BT, mask_BT = response_logprobs_batch(model, batch, targets)
@@ -53,9 +55,11 @@ def warm_up(base: str, out: str, steps: int, batch_size: int = 32, lr: float = 3
     return float(loss.detach())
 
 
-def prepare(out: str, sft_steps: int = 30, n_train: int = 2000, n_eval: int = 200, n_pairs: int = 2000,
-            n_pair_eval: int = 200) -> None:
-    """Idempotent per part: a part whose output exists is kept (delete the folder to start afresh)."""
+def prepare(out: str, sft_steps: int = 20, n_train: int = 2000, n_eval: int = 200, n_pairs: int = 1500,
+            n_pair_eval: int = 100, rm_warmup_steps: int = 100) -> None:
+    """Idempotent per part: a part whose output exists is kept (delete the folder to start afresh).
+    ``n_pairs`` / ``n_pair_eval`` count videos (3 preference rows each); with 400 videos the RM overfit
+    (pairwise 90 %, true colour ranked first on 62 % of held-out videos), with 1500 it reached 94 % / 72 %."""
     t0 = time.time()
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
@@ -64,7 +68,12 @@ def prepare(out: str, sft_steps: int = 30, n_train: int = 2000, n_eval: int = 20
         loss = warm_up(str(root / "base"), str(root / "sft"), sft_steps)
         print(f"policy warm-up: {sft_steps} steps, loss {loss:.3f}")
     if not (root / "rm_base" / "config.json").is_file():
-        build_tiny_qwen2_vl(str(root / "rm_base"), ALPHABET, seed=1, **SHAPE)
+        # The RM starts from a VL model that has been taught to name the colours (as an RM usually starts
+        # from an SFT model): from a random backbone, 200 Bradley-Terry steps ranked the true colour first on
+        # only 48-72 % of held-out videos, and the policy learned the RM's mistakes.
+        build_tiny_qwen2_vl(str(root / "rm_init"), ALPHABET, seed=1, **SHAPE)
+        loss = warm_up(str(root / "rm_init"), str(root / "rm_base"), rm_warmup_steps, seed=1, data_seed=5000)
+        print(f"RM backbone warm-up: {rm_warmup_steps} steps, loss {loss:.3f}")
     for name, n, seed, pairs in (("train", n_train, 11, False), ("eval", n_eval, 7, False),
                                  ("rm_train", n_pairs, 21, True), ("rm_eval", n_pair_eval, 23, True)):
         if not (root / f"{name}.jsonl").is_file():
@@ -75,10 +84,10 @@ def prepare(out: str, sft_steps: int = 30, n_train: int = 2000, n_eval: int = 20
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/video_rm_rl")
-    ap.add_argument("--sft_steps", type=int, default=30)
+    ap.add_argument("--sft_steps", type=int, default=20)
     ap.add_argument("--n_train", type=int, default=2000)
     ap.add_argument("--n_eval", type=int, default=200)
-    ap.add_argument("--n_pairs", type=int, default=2000)
+    ap.add_argument("--n_pairs", type=int, default=1500)
     args = ap.parse_args()
     prepare(args.out, args.sft_steps, args.n_train, args.n_eval, args.n_pairs)
 

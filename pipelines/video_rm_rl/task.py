@@ -1,6 +1,7 @@
 """Synthetic videos for CPU: an 8x8 square of one of four colours slides across a 16x16 black frame for 4
 frames (2 pixels a frame, a random way); the answer is the square's colour: "r" (red), "g" (green),
-"b" (blue) or "y" (yellow).
+"b" (blue) or "w" (white). Pure colours, one channel each or all three: with yellow (red + green) instead
+of white the tiny RM confused red, green and yellow.
 
 Prompt "colour?" after the video block; target "<colour><eos>". The rule metric ``colour_correct`` is 1.0
 when the response's text is exactly the colour, else 0.0: it is what the reward model's preferences encode
@@ -19,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-ALPHABET = "rgbycolu? "
+ALPHABET = "rgbwcolu? "
 PROMPT = "colour?"
-COLOURS = {"r": (220, 30, 30), "g": (30, 200, 40), "b": (30, 50, 220), "y": (230, 220, 40)}
+COLOURS = {"r": (255, 0, 0), "g": (0, 255, 0), "b": (0, 0, 255), "w": (255, 255, 255)}
 SIZE, SQUARE, STEP, FRAMES = 16, 8, 2, 4
 _WAYS = ((0, -1), (0, 1), (-1, 0), (1, 0))  # (rows, cols) per step: left, right, up, down
 
@@ -46,6 +47,13 @@ def make_frames(colour: str, rng: random.Random) -> list[np.ndarray]:
 def make_examples(n: int, seed: int) -> list[tuple[list[np.ndarray], str]]:
     rng = random.Random(seed)
     return [(make_frames(c, rng), c) for c in (rng.choice(list(COLOURS)) for _ in range(n))]
+
+
+def malformed(rng: random.Random) -> str:
+    """A response that is no single colour letter: two letters, or one non-colour character."""
+    if rng.random() < 0.5:
+        return rng.choice(list(COLOURS)) + rng.choice(ALPHABET.strip())
+    return rng.choice([c for c in ALPHABET if c not in COLOURS])
 
 
 def colour_correct(response_text: str, answer: str) -> float:
@@ -76,7 +84,11 @@ def write_split(out_dir: str, name: str, n: int, seed: int, pairs: bool = False)
     """``n`` examples as mp4 files under out_dir/videos/<name>/ and rows in out_dir/<name>.jsonl; returns its path.
 
     RL rows: {"prompt", "reference", "video"}. ``pairs``: preference rows for the RM
-    {"prompt", "chosen", "rejected", "video"}, the rejected response another colour drawn uniformly."""
+    {"prompt", "chosen", "rejected", "video"}, one per other colour and one malformed response (4 per
+    video): with one random rejected colour per video the RM ranked the pairs it saw (86 %) but picked the
+    true colour of only 57 % of the videos, and the policy learned to say the colour it scored highest
+    everywhere; without malformed rejections, RL raised the RM score (3.3 -> 6.1) while colour_correct
+    fell (0.52 -> 0.29), responses the RM never saw being one way to score high."""
     video_dir = Path(out_dir) / "videos" / name
     video_dir.mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"{name}.jsonl"
@@ -86,9 +98,9 @@ def write_split(out_dir: str, name: str, n: int, seed: int, pairs: bool = False)
             file = video_dir / f"{i:05d}.mp4"
             write_mp4(frames, file)
             row = {"prompt": PROMPT, "video": str(file.resolve())}
-            if pairs:
-                row.update(chosen=colour, rejected=rng.choice([c for c in COLOURS if c != colour]))
-            else:
-                row["reference"] = colour
-            f.write(json.dumps(row) + "\n")
+            if not pairs:
+                f.write(json.dumps({**row, "reference": colour}) + "\n")
+                continue
+            for other in [c for c in COLOURS if c != colour] + [malformed(rng)]:
+                f.write(json.dumps({**row, "chosen": colour, "rejected": other}) + "\n")
     return str(path)
