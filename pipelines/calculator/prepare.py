@@ -11,6 +11,11 @@ The warm-up mixes tool-using traces (ask, call the calculator, read the result, 
 traces (ask, answer) at ``tool_fraction``; the direct answers are right but the model cannot learn to compute
 them, so after the warm-up it calls the tool on some prompts and guesses on the others: the tool-call rate
 has room to move, and GRPO moves it.
+
+Measured (seed 0, 2 CPU threads, shared machine): 1000 steps of 32 traces take 1-4 minutes; the greedy
+held-out tool-call rate is then 0.61 and accuracy with tools 0.45. Shorter warm-ups (600 steps; or 1000
+steps of 16) leave the copying too weak: sampled tool calls miscopy the expression or the result, no episode
+earns a reward, and RL has no signal.
 """
 
 from __future__ import annotations
