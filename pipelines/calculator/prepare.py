@@ -13,9 +13,10 @@ them, so after the warm-up it calls the tool on some prompts and guesses on the 
 has room to move, and GRPO moves it.
 
 Measured (seed 0, 2 CPU threads, shared machine): 1000 steps of 32 traces take 1-4 minutes; the greedy
-held-out tool-call rate is then 0.61 and accuracy with tools 0.45. Shorter warm-ups (600 steps; or 1000
-steps of 16) leave the copying too weak: sampled tool calls miscopy the expression or the result, no episode
-earns a reward, and RL has no signal.
+held-out tool-call rate is then 0.61 and accuracy with tools 0.45. With 600 steps and 30% tool traces the
+copying is too weak: sampled tool calls miscopy the expression or the result, no episode earns a reward, and
+RL has no signal. 600 steps at lr 5e-3, or 1000 steps of 16 traces, end with a greedy tool-call rate and
+accuracy of 0 (not tried with RL).
 """
 
 from __future__ import annotations
