@@ -187,7 +187,8 @@ async def _evaluate(run) -> dict[str, float]:
                                 run.dist.world_size, all_reduce_sum, run.cfg.data.eval_size,
                                 media=run.pipeline.media_codec(), chat_template=run.cfg.data.chat_template,
                                 system_prompt=run.cfg.data.system_prompt, env=run.cfg.env, model_path=run.cfg.model.path,
-                                max_new_tokens=run.cfg.engine.max_new_tokens)
+                                max_new_tokens=run.cfg.engine.max_new_tokens,
+                                call_timeout_s=run.cfg.rollout.stage_timeout_s)
         progress.update(n, **{k: v for k, v in result.items() if isinstance(v, float)})
     # The result under its per-step names, at the step the evaluated policy reached (the engine's policy
     # version: 0 before training, N after N steps, also on resume) in every metrics sink.

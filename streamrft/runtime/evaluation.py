@@ -28,7 +28,7 @@ from streamrft.rewards.conventions import reward_columns
 log = logging.getLogger("streamrft")
 
 
-async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: int, all_reduce_sum, limit: int = 0, correct_threshold: float = 1.0, media=None, chat_template: str = "auto", system_prompt: str = "", env=None, model_path: str = "", max_new_tokens: int = 0) -> dict[str, float]:
+async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: int, all_reduce_sum, limit: int = 0, correct_threshold: float = 1.0, media=None, chat_template: str = "auto", system_prompt: str = "", env=None, model_path: str = "", max_new_tokens: int = 0, call_timeout_s: float = 600.0) -> dict[str, float]:
     rows = dataset.rows[:limit] if limit else dataset.rows
     mine = rows[rank::world_size]
     requests, mm, kept, errors, texts, refs = [], {}, [], 0, {}, {}
@@ -55,7 +55,8 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
         kept.append((i, r))
     if env is not None and env.name:
         return await _evaluate_episodes(engine, tokenizer, env, model_path, max_new_tokens, requests, kept, texts, scorer,
-                                        rank, all_reduce_sum, correct_threshold, chat_template, system_prompt, dataset.path)
+                                        rank, all_reduce_sum, correct_threshold, chat_template, system_prompt, dataset.path,
+                                        call_timeout_s)
     generation = engine.generate(requests, mm_inputs=mm) if mm else engine.generate(requests)
     outputs = {out.request_id: out async for out in generation} if requests else {}
     items = [
@@ -75,11 +76,13 @@ async def evaluate(engine, tokenizer, dataset, scorer, rank: int, world_size: in
 
 
 async def _evaluate_episodes(engine, tokenizer, env, model_path, max_new_tokens, requests, kept, texts, scorer, rank,
-                             all_reduce_sum, correct_threshold, chat_template, system_prompt, path) -> dict[str, float]:
-    """Held-out rows as greedy episodes (their model turns batched per turn), then scored like single turns."""
+                             all_reduce_sum, correct_threshold, chat_template, system_prompt, path,
+                             call_timeout_s: float) -> dict[str, float]:
+    """Held-out rows as greedy episodes (their model turns batched per turn), then scored like single turns.
+    Every environment call waits at most ``call_timeout_s`` (rollout.stage_timeout_s), as in training."""
     import asyncio
 
-    from streamrft.envs.episode import (EngineTurnError, TurnBatcher, environment_factory, max_positions,
+    from streamrft.envs.episode import (EngineTurnError, TurnBatcher, env_call, environment_factory, max_positions,
                                         prompt_with_reset_text, run_episode)
     from streamrft.envs.render import ObservationRenderer
 
@@ -90,12 +93,13 @@ async def _evaluate_episodes(engine, tokenizer, env, model_path, max_new_tokens,
         e = None
         try:
             e = factory()
-            reset = await e.reset({**reward_columns(r.extra, r.prompt), "prompt": r.prompt, "reference": r.reference,
-                                   "label": r.label, "data_row": r.row, "sample_id": f"heldout-{r.row}"})
+            row = {**reward_columns(r.extra, r.prompt), "prompt": r.prompt, "reference": r.reference, "label": r.label,
+                   "data_row": r.row, "sample_id": f"heldout-{r.row}"}
+            reset = await env_call(e.reset(row), f"{type(e).__name__}.reset", call_timeout_s)
             text, ids = prompt_with_reset_text(tokenizer, r.prompt, texts[i], request.prompt_ids, reset, chat_template,
                                                system_prompt, f"{path}: row {r.row}")
             return i, text, await run_episode(e, batcher, renderer, ids, f"heldout-{i}", (0, 0, i, 0), env.max_turns,
-                                              env.max_tokens, max_new_tokens, limit)
+                                              env.max_tokens, max_new_tokens, limit, call_timeout_s)
         except EngineTurnError:
             raise
         except Exception as exc:  # the environment failed this row: it scores 0, counted
@@ -106,9 +110,10 @@ async def _evaluate_episodes(engine, tokenizer, env, model_path, max_new_tokens,
             batcher.leave()
             if e is not None:
                 try:
-                    await e.close()
-                except Exception:
-                    pass
+                    await env_call(e.close(), f"{type(e).__name__}.close", call_timeout_s)
+                except Exception as exc:  # a failing close must not hide the row's own outcome
+                    log.warning("evaluation rank %d: environment %r close() raised %s: %s", rank, env.name,
+                                type(exc).__name__, exc)
 
     for _ in kept:
         batcher.enter()

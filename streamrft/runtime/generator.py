@@ -212,6 +212,9 @@ class Generator(Stage):
                 task.cancel()
             if self._failure.done() and not self._failure.cancelled():
                 self._failure.exception()  # retrieved: the pipeline reports this stage's failure (or it is shutdown's ChannelClosed)
+            client = getattr(self.env_factory, "client", None)  # a serve-env client: its sockets and threads
+            if client is not None:
+                await client.close()
 
     def _on_task_done(self, task: asyncio.Task) -> None:
         self.generating.discard(task)
@@ -428,8 +431,10 @@ class Generator(Stage):
                         e.name, type(exc).__name__, exc)
             # sent on as a failed sample (Completion.error), so its group completes and it is counted once, downstream
             empty = torch.zeros(0, dtype=torch.int64)
+            # a serve-env client's failure carries its reason (env_unreachable, env_lost, env_timeout): the label
+            reason = getattr(exc, "reason", "env_error")
             header = self._completion(group, j, sid, [], "error", self.engine.policy_version, 0.0, group.prompt_len,
-                                      error=f"env_error: environment {e.name!r}: {type(exc).__name__}: {exc}")
+                                      error=f"{reason}: environment {e.name!r}: {type(exc).__name__}: {exc}")
             await self._send(header, {"prompt_ids": ids, "response_ids": empty,
                                       "behaviour_logprobs": torch.zeros(0, dtype=torch.float32), "token_versions": empty})
             return
