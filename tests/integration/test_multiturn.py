@@ -23,7 +23,7 @@ from streamrft.engines.base import GenerationRequest
 from streamrft.learner.actor import ActorUpdate
 from streamrft.learner.fsdp2 import FSDP2Strategy
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy
-from streamrft.runtime.distributed import all_reduce_sum, destroy_distributed, init_distributed
+from streamrft.runtime.distributed import all_reduce_sum
 from streamrft.runtime.feed import TrainSample
 
 torch.set_num_threads(1)
@@ -52,13 +52,6 @@ class CalcTool:
 
     async def close(self) -> None:
         return None
-
-
-@pytest.fixture(scope="module")
-def dist():
-    info = init_distributed(timeout_s=60)
-    yield info
-    destroy_distributed()
 
 
 @pytest.fixture(scope="module")

@@ -25,16 +25,8 @@ from streamrft.config.train import TrainConfig
 from streamrft.learner.fsdp2 import FSDP2Strategy
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
 from streamrft.runtime.accounting import Accounting
-from streamrft.runtime.distributed import destroy_distributed, init_distributed
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def dist():
-    info = init_distributed(timeout_s=60)
-    yield info
-    destroy_distributed()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from streamrft.learner.fsdp2 import FSDP2Strategy
 from streamrft.learner.microbatch import SequenceSample, make_microbatches
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
 from streamrft.runtime.accounting import Accounting
-from streamrft.runtime.distributed import destroy_distributed, init_distributed
 
 
 class Counter:
@@ -30,13 +29,6 @@ class Counter:
 
     def load_state_dict(self, state):
         self.refills_used = state["refills_used"]
-
-
-@pytest.fixture(scope="module")
-def dist():
-    info = init_distributed(timeout_s=60)
-    yield info
-    destroy_distributed()
 
 
 @pytest.fixture(scope="module")

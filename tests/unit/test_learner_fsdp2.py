@@ -11,7 +11,6 @@ from streamrft.learner.fsdp2 import FSDP2Strategy
 from streamrft.learner.microbatch import SequenceSample, make_microbatches
 from streamrft.learner.reference import FrozenReference
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
-from streamrft.runtime.distributed import destroy_distributed, init_distributed
 
 T = 0.9
 
@@ -29,13 +28,6 @@ def configs(path, **train):
         return ModelConfig(**m), TrainConfig(**t)
     except TypeError:  # config tree broken in this checkout
         return types.SimpleNamespace(**m), types.SimpleNamespace(**t)
-
-
-@pytest.fixture(scope="module")
-def dist():
-    info = init_distributed(timeout_s=60)
-    yield info
-    destroy_distributed()
 
 
 @pytest.fixture(scope="module")

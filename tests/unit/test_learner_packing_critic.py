@@ -11,16 +11,8 @@ from streamrft.learner.critic import Critic, ValueModel
 from streamrft.learner.microbatch import SequenceSample, make_microbatches
 from streamrft.learner.packing import make_packed_microbatches, rows_by_sample
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
-from streamrft.runtime.distributed import destroy_distributed, init_distributed
 
 EPS = 0.2
-
-
-@pytest.fixture(scope="module")
-def dist():
-    info = init_distributed(timeout_s=60)
-    yield info
-    destroy_distributed()
 
 
 @pytest.fixture(scope="module")
