@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
 OBSERVATION_ROLES = ("tool", "user")
@@ -98,27 +97,12 @@ def _resolve_class(spec: str) -> Callable[..., Any]:
             f"env.name {spec!r} is neither a registered environment ({', '.join(sorted(registry))}) "
             "nor 'module:Class' / 'path/to/file.py:Class'"
         )
-    if target.endswith(".py"):
-        from streamrft.rewards.custom import _load_module_from_file  # one file loader for user code
+    from streamrft.user_code import load_user_object  # one loader for user code (reward functions too)
 
-        try:
-            module = _load_module_from_file(Path(target), spec)
-        except ValueError as exc:
-            raise EnvSpecError(f"env.name: {exc}".replace("reward function spec", "environment spec")) from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as exc:
-            raise EnvSpecError(
-                f"env.name {spec!r}: module {target!r} not found ({exc}); check that it is importable "
-                "(on PYTHONPATH), or give a path/to/file.py instead"
-            ) from None
-    cls = getattr(module, name, None)
-    if cls is None:
-        raise EnvSpecError(f"env.name {spec!r}: {target} has no attribute {name!r}")
-    if not callable(cls):
-        raise EnvSpecError(f"env.name {spec!r}: {target}.{name} is a {type(cls).__name__}, not a class")
-    return cls
+    try:
+        return load_user_object(spec, f"env.name {spec!r}", "class")
+    except ValueError as exc:
+        raise EnvSpecError(str(exc)) from None
 
 
 def _check_kwargs(cls: Callable[..., Any], spec: str, kwargs: dict) -> None:

@@ -27,16 +27,13 @@ Functions written for TRL, verl or OpenRLHF keep their own signatures: ``reward.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
-import sys
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from protocols import RewardItem
 from streamrft.rewards.bounded import BoundedExecutor
 from streamrft.rewards.conventions import ConventionError, adapter_for
+from streamrft.user_code import load_user_object
 
 
 class BatchRewardError(RuntimeError):
@@ -47,26 +44,6 @@ def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark ``fn`` as batched: called once with lists (responses, references, prompts=, labels=)."""
     fn.batched = True  # type: ignore[attr-defined]
     return fn
-
-
-def _load_module_from_file(path: Path, spec: str):
-    if not path.is_file():
-        raise ValueError(f"reward function spec {spec!r}: file {path} does not exist (relative to {Path.cwd()})")
-    # A unique module name per resolved path so two files both called reward.py do not collide.
-    module_name = f"_streamrft_reward_{abs(hash(str(path.resolve())))}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"reward function spec {spec!r}: cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
 
 
 def load_reward_function(spec: str) -> Callable[..., Any]:
@@ -80,22 +57,7 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
         raise ValueError(
             f"reward function spec {spec!r} is not 'module:function' or 'path/to/file.py:function'"
         )
-    if target.endswith(".py"):
-        module = _load_module_from_file(Path(target), spec)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as exc:
-            raise ValueError(
-                f"reward function spec {spec!r}: module {target!r} not found ({exc}); check the name "
-                "and that it is importable (on PYTHONPATH), or give a path/to/file.py instead"
-            ) from None
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise ValueError(f"reward function spec {spec!r}: {target} has no attribute {name!r}")
-    if not callable(fn):
-        raise ValueError(f"reward function spec {spec!r}: {target}.{name} is a {type(fn).__name__}, not a function")
-    return fn
+    return load_user_object(spec, f"reward function spec {spec!r}", "function")
 
 
 def _accepted_keywords(fn: Callable[..., Any], names: Sequence[str]) -> set[str]:
