@@ -245,6 +245,8 @@ class PipelineMetrics:
             "streamrft_env_tool_errors", "Tool calls that failed, by reason (timeout, memory_limit, tool_parse, ...).",
             ["reason"], registry=r,
         )
+        # the catch-all reason exists from the start (at 0): the series is scraped, and rate() works, before a first error
+        self.env_tool_errors.labels(reason="error")
         self.env_tool_seconds = Histogram(
             "streamrft_env_tool_seconds", "Tool time of one episode (sum of its tool calls' seconds).",
             buckets=_LATENCY_BUCKETS, registry=r,
