@@ -18,7 +18,7 @@ from streamrft.checkpoint.background import BackgroundWriter, CheckpointSaveErro
 from streamrft.checkpoint.staging import HostStager
 from streamrft.config.base import ConfigError
 from streamrft.config.checkpoint import async_save_enabled
-from tests.unit.test_checkpoint_manager import config, dist, model_dir, parts, train_step, weights  # noqa: F401
+from tests.unit.test_checkpoint_manager import config, model_dir, parts, train_step, weights  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 
