@@ -12,14 +12,6 @@ from streamrft.config.train import TrainConfig
 from streamrft.learner.fsdp2 import FSDP2Strategy, fsdp_unit_names
 from streamrft.models.media_inputs import load_processor
 from streamrft.models.vl import build_tiny_qwen2_vl, vl_inputs
-from streamrft.runtime.distributed import destroy_distributed, init_distributed
-
-
-@pytest.fixture(scope="module")
-def dist():
-    info = init_distributed(timeout_s=60)
-    yield info
-    destroy_distributed()
 
 
 @pytest.fixture(scope="module")
