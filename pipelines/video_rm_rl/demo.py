@@ -7,13 +7,15 @@ Steps (each skipped when its output exists, except RL, which starts afresh): pre
 `train-rm rm.yaml` (the RM, reading each pair's mp4); then GRPO with ``reward.sources = [video_rm,
 colour_correct (weight 0)]`` through ``build_run`` + ``train_loop``, the code path of `streamrft train`.
 
-Reported, on the held-out eval rows (videos the RM and the policy never trained on), before and after RL:
+Reported: the RM's pairwise accuracy and ``rm_true_colour_first`` (share of its held-out videos on which it
+scores the true colour above the other three); then, on the held-out eval rows (videos the RM and the policy
+never trained on), before and after RL:
 - ``heldout_rm_score``: the driver's own held-out evaluation (greedy responses scored by the sources; with
   colour_correct at weight 0 this is the RM's mean score);
 - ``colour_correct``: greedy exact match against the true colour (``task.colour_correct``), the rule metric
   the RM's preferences encode, measured on the policy module itself.
 The last line is machine-readable:
-    video-rm-rl: rm_pairwise_accuracy=.. rm_score_before=.. rm_score_after=.. colour_correct_before=.. colour_correct_after=.. steps=N seconds=S
+    video-rm-rl: rm_pairwise_accuracy=.. rm_true_colour_first=.. rm_score_before=.. rm_score_after=.. colour_correct_before=.. colour_correct_after=.. steps=N seconds=S
 """
 
 from __future__ import annotations
@@ -50,6 +52,23 @@ def greedy_colour_correct(module, processor, rows: list[dict], codec, path: str)
                for s, i in zip(samples, index)) / len(rows)
 
 
+def rm_true_colour_first(rm_dir: str, pairs_path: str) -> float:
+    """Share of the videos of ``pairs_path`` on which the RM scores the true colour above every other colour:
+    what the policy needs from it (pairwise accuracy alone hid an RM that scored r, g and b the same)."""
+    from pipelines.video_rm_rl.task import COLOURS
+    from streamrft.rm.data import read_preference_pairs
+    from streamrft.rm.model import ScalarRewardModel
+
+    rm = ScalarRewardModel.from_pretrained(rm_dir)
+    videos = {p.media[0].path: p for p in read_preference_pairs(pairs_path, rm.media)}
+    colours = list(COLOURS)
+    hits = 0
+    for p in videos.values():
+        scores = rm.score([p.prompt] * len(colours), colours, media=[p.media] * len(colours))
+        hits += colours[max(range(len(colours)), key=scores.__getitem__)] == p.chosen
+    return hits / len(videos)
+
+
 def rl_config(out: str, overrides: list[str]):
     """config.yaml with its runs/video_rm_rl paths moved under ``out``."""
     from streamrft.config import load_config
@@ -79,6 +98,7 @@ def run_demo(out: str = DEFAULT_OUT, overrides: list[str] = (), rm_overrides: li
 
         train_srm(rm_cfg)
     rm_acc = evaluate_rm(rm_cfg.output_dir, rm_cfg.data.eval_path)["pairwise_accuracy"]
+    rm_first = rm_true_colour_first(rm_cfg.output_dir, rm_cfg.data.eval_path)
 
     from streamrft.compose import build_run
     from streamrft.config import validate_config
@@ -101,7 +121,7 @@ def run_demo(out: str = DEFAULT_OUT, overrides: list[str] = (), rm_overrides: li
         after = greedy_colour_correct(run.engine.module, processor, rows, codec, cfg.data.eval_path)
     finally:
         destroy_distributed()
-    result = {"rm_pairwise_accuracy": rm_acc, "rm_score_before": summary["heldout_reward_mean_before"],
+    result = {"rm_pairwise_accuracy": rm_acc, "rm_true_colour_first": rm_first, "rm_score_before": summary["heldout_reward_mean_before"],
               "rm_score_after": summary["heldout_reward_mean_after"], "colour_correct_before": before,
               "colour_correct_after": after, "steps": summary["steps"], "n_eval": len(rows),
               "seconds": time.perf_counter() - started}
