@@ -298,11 +298,10 @@ def test_item2_a_process_with_a_reward_call_hung_forever_still_exits(funcs):
 
         asyncio.run(main())
     """)
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    # the bound is generous (the child imports torch; slow on a loaded machine): before the fix it never ended
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "source 'h': timeout after 0.2s (reward.timeout_s)"
-    assert time.monotonic() - started < 15
 
 
 def test_item2_a_stalled_http_reward_service_leaves_the_default_executor_free():
