@@ -43,10 +43,10 @@ demo: $(BASE_STAMP)
 demo-calculator: $(BASE_STAMP)
 	OMP_NUM_THREADS=2 $(PY) pipelines/calculator/demo.py pipelines/calculator/config.yaml
 
-# Two pytest workers, a test file each at a time (--dist loadfile keeps a file's module fixtures in one worker):
-# most integration tests wait on their own subprocesses, so two files share two cores well. PYTEST_WORKERS=0
-# runs them in this process, one by one.
-PYTEST_WORKERS ?= 2
+# PYTEST_WORKERS=N runs N pytest workers, a test file each (--dist loadfile keeps a file's module fixtures in one
+# worker). Default 0: one process. On the 2-core CI machine two workers put two multi-process tests (torchrun,
+# engine processes) side by side and their timeouts fired; use workers only on machines with cores to spare.
+PYTEST_WORKERS ?= 0
 PYTEST_PAR := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test: $(DEV_STAMP)
