@@ -76,6 +76,9 @@ def build_run(cfg: Config, dist) -> Run:
     from streamrft.runtime.pipeline import Pipeline
     from streamrft.teacher.client import build_teacher_client
 
+    from streamrft.compile_cache import apply_compile_cache
+
+    apply_compile_cache(cfg.compile_cache_dir)  # before anything compiles (the engine's kernels, the LM head)
     torch.manual_seed(cfg.seed)
     set_deterministic(cfg.train.deterministic)
     d = cfg.data

@@ -39,6 +39,9 @@ class Config(Section, dict=True):
     seed: int = 0  # seeds data order, sampling (per step, prompt, sample) and init
     output_dir: str = "runs/default"  # checkpoints, logs, metrics files
     fail_fast: bool = False  # stop the run on the first failed sample instead of counting it
+    # torch.compile (Inductor) and Triton kernel caches kept here across runs (streamrft/compile_cache.py);
+    # "" = their own per-user defaults (/tmp/torchinductor_$USER, ~/.triton/cache)
+    compile_cache_dir: str = ""
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
@@ -165,4 +168,7 @@ def validate_config(cfg: Config, world_size: int = 1, check_paths: bool = True) 
     from streamrft.config.validate import validate_all
 
     validate_all(cfg, world_size, check_paths)
+    from streamrft.compile_cache import check_compile_cache_dir
+
+    check_compile_cache_dir(cfg.compile_cache_dir)
     validate_env(cfg, check_paths)  # imports the environment's module (user code) after the cheaper checks, before any model
