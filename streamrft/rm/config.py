@@ -89,6 +89,17 @@ def check_media_backbone(model_dir: str, data) -> None:
                           "(the row field that holds each prompt's media)")
 
 
+def check_tied_lm_head(model_dir: str, lm_coef: float) -> None:
+    """ConfigError when ``train.lm_coef > 0`` but the backbone's LM head is not tied to its input embedding:
+    the SRM keeps no LM head of its own, so the auxiliary loss reads logits through the embedding
+    (ScalarRewardModel.lm_logits); checked on config.json, before any weights load."""
+    from transformers import AutoConfig
+
+    if not getattr(AutoConfig.from_pretrained(model_dir), "tie_word_embeddings", False):
+        raise ConfigError(f"train.lm_coef={lm_coef} needs a backbone whose LM head is tied to its input embedding, "
+                          f"but model.path={model_dir} has tie_word_embeddings=false; set train.lm_coef=0")
+
+
 def load_rm_config(path: str | Path | None, overrides: list[str] | None = None) -> RMTrainConfig:
     """Read YAML/TOML, apply dotted overrides, type-check every key (unknown keys fail)."""
     from streamrft.config import load_typed_config
@@ -128,12 +139,8 @@ def validate_rm_config(cfg: RMTrainConfig, check_paths: bool = True) -> None:
         if key not in cfg.grm.template:
             raise ConfigError(f"grm.template={cfg.grm.template!r} lacks {key}")
     d = cfg.data
-    media_keys = [f"data.{k}={getattr(d, k)!r}" for k in ("image_field", "video_field", "audio_field") if getattr(d, k)]
     if d.max_video_frames < 0 or d.video_fps < 0:
         raise ConfigError(f"data.max_video_frames={d.max_video_frames} and data.video_fps={d.video_fps} must be >= 0")
-    if media_keys and t.lm_coef > 0:
-        raise ConfigError(f"train.lm_coef={t.lm_coef} applies to text backbones only; with {', '.join(media_keys)} "
-                          "set train.lm_coef=0")
     if check_paths:
         from streamrft.models.hub import resolve_model_dir
 
@@ -142,6 +149,8 @@ def validate_rm_config(cfg: RMTrainConfig, check_paths: bool = True) -> None:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         check_media_backbone(model_dir, d)
+        if t.lm_coef > 0:
+            check_tied_lm_head(model_dir, t.lm_coef)
         for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
             if value and not Path(value).is_file():
                 raise ConfigError(f"{key}={value} does not exist (relative to {Path.cwd()})")

@@ -178,6 +178,16 @@ class ScalarRewardModel(torch.nn.Module):
         texts = [p + r + eos for p, r in zip(prompts, responses, strict=True)]
         return self.media_inputs.batch(texts, media, [f"prompt {p[:40]!r}" for p in prompts])
 
+    def response_token_counts(self, responses: Sequence[str]) -> list[int]:
+        """Tokens that ``response + eos`` occupies at the end of each row of :meth:`batch_inputs`: everything
+        before them is the prompt, media placeholders included as the processor expanded them (counting from
+        the end needs no second media decode; the prompt's own length would miss the expansion)."""
+        if self.media_inputs is None:  # encode: tokenizer(prompt + response) + [eos]
+            extra = 1 if self.tokenizer.eos_token_id is not None else 0
+            return [len(self.tokenizer(r, add_special_tokens=False)["input_ids"]) + extra for r in responses]
+        eos = self.tokenizer.eos_token or ""  # batch_inputs: the processor reads prompt + response + eos as text
+        return [len(self.tokenizer(r + eos, add_special_tokens=False)["input_ids"]) for r in responses]
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: torch.Tensor) -> torch.Tensor:
         """Per-head rewards (B, H)."""
         return self.rewards_and_states(input_ids, attention_mask, **media)[0]

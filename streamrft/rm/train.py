@@ -53,17 +53,33 @@ def pair_batch_loss(model: ScalarRewardModel, pairs: list[PreferencePair], loss:
     total = per_pair.mean()
     if lm_coef > 0:
         n = len(pairs)
-        prompt_len_B = [len(model.tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for p in pairs]
+        start_B = response_starts(mask_BL[:n], model.response_token_counts([p.chosen for p in pairs]))
         total = total + lm_coef * chosen_lm_loss(model.lm_logits(last_2BLD[:n]).float(), ids_BL[:n], mask_BL[:n],
-                                                 torch.tensor(prompt_len_B, device=device))
+                                                 start_B)
     return total, r_c, r_r
+
+
+def response_starts(mask_BL: torch.Tensor, n_response: list[int]) -> torch.Tensor:
+    """Position of each row's first response token: (last non-pad position + 1) - n_response[b].
+
+    Counted back from the row's end, so it holds for right-padded text rows and left-padded media rows alike,
+    and the prompt part keeps every token the processor put there (expanded image / video / audio
+    placeholders). A tokenizer that merges the prompt's last characters with the response's first (BPE
+    across the boundary) makes the first response token that merged token, as it is in the row itself.
+    """
+    positions_BL = torch.arange(mask_BL.shape[1], device=mask_BL.device).expand_as(mask_BL)
+    end_B = torch.where(mask_BL.bool(), positions_BL, -1).max(dim=1).values + 1
+    return end_B - torch.tensor(n_response, device=mask_BL.device)
 
 
 def chosen_lm_loss(logits_BLV: torch.Tensor, ids_BL: torch.Tensor, mask_BL: torch.Tensor,
                    prompt_len_B: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the response tokens (and eos) of each row:
 
-        L = -(1 / N) sum_b sum_{t >= P_b, mask} log p(x_{b,t} | x_{b,<t})     (P_b = prompt length of row b)
+        L = -(1 / N) sum_b sum_{t >= P_b, mask} log p(x_{b,t} | x_{b,<t})
+
+    P_b = the position of row b's first response token (:func:`response_starts`; the prompt length for a
+    right-padded row).
     """
     target_BL = ids_BL[:, 1:]
     positions_L = torch.arange(1, ids_BL.shape[1], device=ids_BL.device)

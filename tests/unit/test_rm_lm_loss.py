@@ -33,3 +33,23 @@ def test_a_negative_lm_coef_is_a_config_error(tmp_path):
     path.write_text("kind: srm\n")
     with pytest.raises(ConfigError, match="lm_coef"):
         validate_rm_config(load_rm_config(path, ["train.lm_coef=-1"]), check_paths=False)
+
+
+def test_lm_coef_on_an_untied_backbone_is_refused_at_validation_before_any_weights_load(tmp_path):
+    import json
+
+    from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
+
+    build_tiny_qwen2(str(tmp_path), build_char_tokenizer(str(tmp_path), "ab"), hidden_size=16, num_layers=1,
+                     num_heads=2, num_kv_heads=1, intermediate_size=32)
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "a"}\n')
+    overrides = [f"model.path={tmp_path}", f"data.train_path={tmp_path / 'pairs.jsonl'}", "train.lm_coef=0.5"]
+    validate_rm_config(load_rm_config(None, overrides))  # tied: accepted
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    (tmp_path / "model.safetensors").unlink()  # the check reads config.json only
+    with pytest.raises(ConfigError) as e:
+        validate_rm_config(load_rm_config(None, overrides))
+    assert str(e.value) == (f"train.lm_coef=0.5 needs a backbone whose LM head is tied to its input embedding, but "
+                            f"model.path={tmp_path} has tie_word_embeddings=false; set train.lm_coef=0")
+    validate_rm_config(load_rm_config(None, overrides[:2]))  # lm_coef 0: the untied backbone is fine

@@ -73,9 +73,8 @@ def test_config_checks_media_fields_against_the_backbone(vl, tmp_path):
         validate_rm_config(cfg)
     cfg = RMTrainConfig(model=RMModelConfig(path=backbone), data=RMDataConfig(train_path=pairs, image_field="image"))
     validate_rm_config(cfg)
-    cfg.train.lm_coef = 0.5
-    with pytest.raises(ConfigError, match=r"train.lm_coef=0.5 applies to text backbones only"):
-        validate_rm_config(cfg)
+    cfg.train.lm_coef = 0.5  # the chosen-response LM loss counts the expanded placeholders as prompt
+    validate_rm_config(cfg)
 
 
 def test_a_left_padded_media_row_scores_like_the_row_alone_and_the_image_matters(vl):
@@ -276,3 +275,37 @@ def test_hps_and_tie_losses_on_media_pairs_match_their_formulas(vl):
         loss, got_c, got_r = pair_batch_loss(rm, pairs, "hps", T)
     assert got_c[:, 0].tolist() == pytest.approx(r_c, abs=1e-5) and got_r[:, 0].tolist() == pytest.approx(r_r, abs=1e-5)
     assert loss.item() == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+
+
+def test_the_chosen_lm_loss_on_media_pairs_skips_the_expanded_placeholders_and_the_prompt(vl):
+    """train.lm_coef with media: the LM term equals an independent computation that runs each chosen row alone
+    (no padding) and takes the prompt length from the processor's own prompt-only inputs (placeholders
+    expanded to one token per merged patch), so only the response and eos tokens carry loss."""
+    from streamrft.models.multimodal import forward_kwargs
+    from streamrft.rm.train import pair_batch_loss
+
+    _, backbone, pairs_path = vl
+    pairs = read_preference_pairs(pairs_path, IMAGE)[:3]
+    pairs[1].chosen += "low"  # rows of different lengths: the batch is left-padded
+    rm = ScalarRewardModel.from_backbone(backbone, media=IMAGE)
+    rm.eval()
+    codec, eos = rm.media_inputs.codec, rm.tokenizer.eos_token
+    nll, n_tokens, expanded = 0.0, 0, []
+    with torch.no_grad():
+        for p in pairs:
+            prompt_len = codec.inputs(p.prompt, p.media, "t")["input_ids"].shape[1]
+            row = codec.inputs(p.prompt + p.chosen + eos, p.media, "t")
+            ids = row["input_ids"][0]
+            logp = torch.log_softmax(rm.backbone(**forward_kwargs(rm.backbone, row), use_cache=False).logits[0], -1)
+            for t in range(prompt_len, len(ids)):
+                nll -= logp[t - 1, ids[t]].item()
+                n_tokens += 1
+            expanded.append(prompt_len - len(rm.tokenizer(p.prompt)["input_ids"]))
+        assert n_tokens == sum(len(p.chosen) + 1 for p in pairs)  # char tokenizer: response + eos
+        assert min(expanded) > 1  # the image placeholder became several tokens
+        for coef in (0.0, 1.0, 0.5):
+            loss, _, _ = pair_batch_loss(rm, pairs, "bradley_terry", 1.0, coef)
+            if coef == 0.0:
+                pair_only = loss.item()
+            else:
+                assert loss.item() - pair_only == pytest.approx(coef * nll / n_tokens, rel=1e-5)
