@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,8 @@ import zmq
 from protocols import decode, encode
 from protocols.env import EnvReply, EnvReset, EnvStep
 from streamrft.envs.remote import EnvServiceError, RemoteEnvClient
+from tests.integration._services import ServiceProcess, services_fixture
+from tests.integration.conftest import free_port
 
 pytestmark = pytest.mark.slow  # real processes (each test takes 1-2 s)
 
@@ -65,38 +66,12 @@ ENVS = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def serve_env(*args: str) -> ServiceProcess:
+    """One `streamrft serve-env` subprocess, running and ready."""
+    return ServiceProcess("serve-env", ["streamrft.cli", "serve-env", *args], stop_timeout_s=10)
 
 
-class Service:
-    """One `streamrft serve-env` subprocess; its output lines are collected by a reader thread."""
-
-    def __init__(self, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "streamrft.cli", "serve-env", *args], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(90):  # start-up imports torch: slow on a loaded 2-core machine
-            self.proc.kill()
-            raise AssertionError(f"serve-env not ready in 90 s; output: {self.lines}")
-        assert self.proc.poll() is None, self.lines
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("serve-env: ready"):
-                self._ready.set()
-        self._ready.set()
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(10)
+services = services_fixture(serve_env)
 
 
 @pytest.fixture
@@ -104,19 +79,6 @@ def env_file(tmp_path):
     path = tmp_path / "envs_under_test.py"
     path.write_text(ENVS)
     return path
-
-
-@pytest.fixture
-def services():
-    started: list[Service] = []
-
-    def start(*args: str) -> Service:
-        started.append(Service(*args))
-        return started[-1]
-
-    yield start
-    for svc in started:
-        svc.stop(signal.SIGKILL)
 
 
 async def run_episode(client: RemoteEnvClient, i: int, answered: list, max_turns: int = 10) -> tuple[str, list]:
@@ -142,12 +104,12 @@ def expected_turns(i: int, turns: int) -> list:
     return [(f"start {i}", 0.0)] + [(f"obs {i} {k} a{i}.{k}", float(k)) for k in range(1, turns + 1)]
 
 
-async def run_with_restart(env_file: Path, cls: str, n: int, turns: int) -> tuple[list, RemoteEnvClient, list[Service]]:
+async def run_with_restart(env_file: Path, cls: str, n: int, turns: int) -> tuple[list, RemoteEnvClient, list[ServiceProcess]]:
     port = free_port()
     args = ("--env", f"{env_file}:{cls}", "--bind", f"tcp://127.0.0.1:{port}",
             "--env-kwargs", json.dumps({"turns": turns, "delay": 0.05}))
     loop = asyncio.get_running_loop()
-    first = await loop.run_in_executor(None, lambda: Service(*args))
+    first = await loop.run_in_executor(None, lambda: serve_env(*args))
     client = RemoteEnvClient(f"tcp://127.0.0.1:{port}", timeout_s=0.5, retries=10, rank=1)
     answered: list[int] = []
     tasks = [asyncio.create_task(run_episode(client, i, answered)) for i in range(n)]
@@ -157,7 +119,7 @@ async def run_with_restart(env_file: Path, cls: str, n: int, turns: int) -> tupl
     first.proc.kill()
     first.proc.wait(10)
     killed_at = len(answered)
-    second = await loop.run_in_executor(None, lambda: Service(*args))
+    second = await loop.run_in_executor(None, lambda: serve_env(*args))
     results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
     assert killed_at < n * turns // 2, "the kill came late in the run: little was tested"
     await client.close()
@@ -317,8 +279,8 @@ def test_a_training_run_survives_its_env_service_killed_and_restarted_with_every
     port, http_port = free_port(), free_port()
     service_args = ("--env", f"{env_file}:Counting", "--bind", f"tcp://127.0.0.1:{port}",
                     "--env-kwargs", '{"turns": 2, "delay": 0.1}')
-    first = Service(*service_args, "--http", f"127.0.0.1:{http_port}")
-    restarted: list[Service] = []
+    first = serve_env(*service_args, "--http", f"127.0.0.1:{http_port}")
+    restarted: list[ServiceProcess] = []
 
     def kill_in_step_2() -> None:
         """Step 1 makes 16 episodes of 2 env steps; kill once 8 of step 2's 32 steps are answered."""
@@ -333,7 +295,7 @@ def test_a_training_run_survives_its_env_service_killed_and_restarted_with_every
             time.sleep(0.01)
         first.proc.kill()
         first.proc.wait(10)
-        restarted.append(Service(*service_args))
+        restarted.append(serve_env(*service_args))
 
     killer = threading.Thread(target=kill_in_step_2, daemon=True)
     killer.start()

@@ -24,6 +24,8 @@ import zmq
 
 from protocols import RewardItem, RewardReply, RewardRequest, decode, encode
 from streamrft.rewards.remote import RemoteRewardClient
+from tests.integration._services import ServiceProcess, services_fixture
+from tests.integration.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -46,54 +48,12 @@ SLOW_FUNCS = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Service:
-    """One serve-reward subprocess; its output lines are collected by a reader thread."""
+class Service(ServiceProcess):
+    """One serve-reward subprocess (``python -m streamrft.rewards.service``), running and ready; with
+    ``--log-requests`` its log names each request it scored."""
 
     def __init__(self, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "streamrft.rewards.service", *args],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        if not self._ready.wait(90):  # start-up imports torch: slow on a loaded 2-core machine
-            self.stop(signal.SIGKILL)
-            raise AssertionError(f"serve-reward not ready in 90 s; output: {self.lines}")
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("serve-reward: ready"):
-                self._ready.set()
-        self._ready.set()  # exited: stop waiting
-
-    def address(self, scheme: str) -> str:
-        for line in self.lines:
-            m = re.match(rf"serve-reward: listening on ({scheme}://\S+)", line)
-            if m:
-                return m.group(1)
-        raise AssertionError(f"no {scheme} address in {self.lines}")
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait(timeout=5)
-        self._reader.join(timeout=5)
-        self.proc.stdout.close()
-        return rc
+        super().__init__("serve-reward", ["streamrft.rewards.service", *args], stop_timeout_s=15)
 
     def scored_ids(self) -> list[str]:
         return [m.group(1) for line in self.lines if (m := re.search(r"scoring request (\S+)", line))]
@@ -107,17 +67,7 @@ class Service:
         return self.scored_ids()
 
 
-@pytest.fixture
-def services():
-    started: list[Service] = []
-
-    def start(*args: str) -> Service:
-        started.append(Service(*args))
-        return started[-1]
-
-    yield start
-    for svc in started:
-        svc.stop(signal.SIGKILL)
+services = services_fixture(Service)
 
 
 @pytest.fixture
