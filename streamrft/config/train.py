@@ -4,6 +4,8 @@ from typing import Literal
 
 from streamrft.config.base import Section
 
+HEAD_KERNELS = ("fused", "checkpoint")  # train.head_kernel's values (learner/logprobs.py dispatches on them)
+
 
 class TrainConfig(Section):
     max_steps: int = 100  # train steps (one optimizer step per mini-batch per step)
@@ -25,6 +27,7 @@ class TrainConfig(Section):
     eval_every: int = 0  # evaluate every N steps; 0 = before and after only
     log_every: int = 1
     compile_head: bool = True  # torch.compile the chunked LM-head log-prob/entropy (CUDA only; CPU runs eagerly)
+    head_kernel: Literal["fused", "checkpoint"] = "fused"  # LM-head log-prob/entropy backward: fused (analytic, recomputes only the head matmul, 4096-row chunks) or checkpoint (autograd over each recomputed 1024-row chunk)
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise resume checks
     record_batches: bool = False  # save every step's batch under output_dir/batches/ for `streamrft replay`
     offload_between_phases: bool = True  # colocated: move optimizer state (and params) to host memory during rollout; false keeps them on the device (faster switch when memory allows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from streamrft.config.base import ConfigError
+from streamrft.config.train import HEAD_KERNELS
 
 
 def validate_rollout(cfg, world_size: int) -> None:
@@ -108,6 +109,8 @@ def validate_train(cfg) -> None:
         raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens} must be >= 1")
     if t.mini_batches_per_step < 1 or t.ppo_epochs < 1:
         raise ConfigError("train.mini_batches_per_step and train.ppo_epochs must be >= 1")
+    if t.head_kernel not in HEAD_KERNELS:
+        raise ConfigError(f"train.head_kernel={t.head_kernel!r} must be one of: {', '.join(HEAD_KERNELS)}")
     if cfg.rollout.prompts_per_step % t.mini_batches_per_step != 0:
         raise ConfigError(
             f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by "

@@ -72,13 +72,15 @@ def _import_deepspeed(dist: DistInfo):
 class _LogprobModel(torch.nn.Module):
     """Holds the policy; forward = token_logprobs(policy, mb, ...), so ZeRO hooks wrap all of it."""
 
-    def __init__(self, policy: torch.nn.Module, compile_head: bool = False):
+    def __init__(self, policy: torch.nn.Module, compile_head: bool = False, head_kernel: str = "fused"):
         super().__init__()
         self.policy = policy
         self.compile_head = compile_head
+        self.head_kernel = head_kernel
 
     def forward(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
-        return token_logprobs(self.policy, mb, temperature, with_entropy, compile_head=self.compile_head)
+        return token_logprobs(self.policy, mb, temperature, with_entropy, compile_head=self.compile_head,
+                              head_kernel=self.head_kernel)
 
 
 def ds_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
@@ -127,7 +129,7 @@ class DeepSpeedStrategy:
         model.config.use_cache = False
         model.train()
         self.module = model.to(self.device)  # the HF model: what engines and callers see
-        wrapper = _LogprobModel(self.module, train_cfg.compile_head)
+        wrapper = _LogprobModel(self.module, train_cfg.compile_head, train_cfg.head_kernel)
         if self.zero_stage == 3:
             head = self.module.get_output_embeddings()
             self.ds.zero.register_external_parameter(wrapper, head.weight)

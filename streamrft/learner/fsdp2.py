@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOGPROB_METHOD = "streamrft_token_logprobs"  # the FSDP forward method added to the model instance
 COMPILE_HEAD_FLAG = "streamrft_compile_head"  # instance attribute: train.compile_head for that method
+HEAD_KERNEL_FLAG = "streamrft_head_kernel"  # instance attribute: train.head_kernel for that method
 
 
 _MULTIMODAL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_audio": "Qwen2AudioForConditionalGeneration"}
@@ -63,9 +64,10 @@ def load_pretrained(path: str, model_cfg: ModelConfig, dtype: torch.dtype) -> to
 
 
 def _logprob_method(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
-                    chunk_size: int = 1024):
+                    chunk_size: int | None = None):
     return token_logprobs(self, mb, temperature, with_entropy, chunk_size,
-                          compile_head=self.__dict__.get(COMPILE_HEAD_FLAG, False))
+                          compile_head=self.__dict__.get(COMPILE_HEAD_FLAG, False),
+                          head_kernel=self.__dict__.get(HEAD_KERNEL_FLAG, "fused"))
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -93,7 +95,7 @@ def media_encoder_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dtype | None,
-                compile_head: bool = False) -> torch.nn.Module:
+                compile_head: bool = False, head_kernel: str = "fused") -> torch.nn.Module:
     """fully_shard each vision block and the merger (VL models), each decoder layer, then the root; register
     the log-prob forward method. In place."""
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
@@ -105,6 +107,7 @@ def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dty
     fully_shard(model, **kwargs)
     model.__dict__[LOGPROB_METHOD] = types.MethodType(_logprob_method, model)
     model.__dict__[COMPILE_HEAD_FLAG] = compile_head
+    model.__dict__[HEAD_KERNEL_FLAG] = head_kernel
     register_fsdp_forward_method(model, LOGPROB_METHOD)
     return model
 
@@ -173,7 +176,8 @@ class FSDP2Strategy:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         model.train()  # HF gradient checkpointing is active only in train mode
-        self.module = shard_model(model, dist, self.compute_dtype, train_cfg.compile_head).to(self.device)
+        self.module = shard_model(model, dist, self.compute_dtype, train_cfg.compile_head,
+                                  train_cfg.head_kernel).to(self.device)
         for m in fsdp_modules(self.module):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

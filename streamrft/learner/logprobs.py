@@ -6,8 +6,11 @@ For a causal LM with temperature T, the log-prob of token x_t given x_<t is
 
 and the entropy of the same distribution is H[b, t] = -sum_v p_v log p_v. Only positions with
 response_mask[b, t] = 1 need logits: we gather their (t-1) hidden states into an (N, H) matrix and run the
-head in chunks of ``chunk_size`` rows, each chunk under activation checkpointing when grads are on, so at
-most one (chunk_size, V) float32 block is alive at a time (forward and backward).
+head in chunks of ``chunk_size`` rows, so only a few (chunk_size, V) float32 blocks are alive at a time (forward
+and backward). ``train.head_kernel`` picks how the chunks are differentiated: ``fused`` (default) is
+``fused_head.FusedHeadLogprob``, an analytic backward that recomputes only the head matmul; ``checkpoint``
+runs each chunk of the plain computation below under activation checkpointing (autograd recomputes and walks
+the whole chunk graph).
 Positions outside the response mask (and t = 0, and the first token of every packed sequence, where
 position_ids = 0) hold 0.
 
@@ -22,6 +25,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from streamrft.config.train import HEAD_KERNELS
+from streamrft.learner.fused_head import fused_logp_entropy
+
+# rows per chunk when the caller gives none: the fused backward holds ~2 float32 (chunk, V) blocks, the
+# checkpointed one more (benchmarks/head_bench.py measures both), so fused takes more rows per chunk
+DEFAULT_CHUNK = {"fused": 4096, "checkpoint": 1024}
 
 
 def _chunk_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
@@ -72,16 +82,21 @@ def _chunk_function(device: torch.device, compile_head: bool):
 
 def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_ids_BL: torch.Tensor,
                          response_mask_BL: torch.Tensor, temperature: float, with_entropy: bool,
-                         chunk_size: int = 1024, position_ids_BL: torch.Tensor | None = None,
+                         chunk_size: int | None = None, position_ids_BL: torch.Tensor | None = None,
                          banned_ids: list[int] | None = None, compile_head: bool = False,
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         head_kernel: str = "fused") -> tuple[torch.Tensor, torch.Tensor | None]:
     """The formula above, given the final hidden states (after the last norm) and the LM head.
     With ``position_ids_BL``, positions where it is 0 (a sequence start) are excluded too. ``banned_ids``
     (media placeholders, which the hf engine never samples) get probability 0: the softmax runs over the
     remaining vocabulary, as the engine's sampling distribution does. ``compile_head``: see
-    ``_chunk_function`` (CUDA only; the CPU always runs eagerly)."""
+    ``_chunk_function`` (CUDA only; the CPU always runs eagerly). ``head_kernel``: the module docstring;
+    ``chunk_size`` None is ``DEFAULT_CHUNK[head_kernel]``."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0; set rollout.temperature > 0")
+    if head_kernel not in HEAD_KERNELS:
+        raise ValueError(f"train.head_kernel={head_kernel!r} must be one of: {', '.join(HEAD_KERNELS)}")
+    if chunk_size is None:
+        chunk_size = DEFAULT_CHUNK[head_kernel]
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0")
     B, L = input_ids_BL.shape
@@ -92,21 +107,17 @@ def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_
     b_N, t_N = mask_BL.nonzero(as_tuple=True)
     h_NH = hidden_BLH[b_N, t_N - 1]
     target_N = input_ids_BL[b_N, t_N]
-    weight, bias = head.weight, getattr(head, "bias", None)
-    use_ckpt = torch.is_grad_enabled() and (h_NH.requires_grad or weight.requires_grad)
-    chunk_fn = _chunk_function(h_NH.device, compile_head)
-    logps, ents = [], []
-    for start in range(0, h_NH.shape[0], chunk_size):
-        args = (h_NH[start:start + chunk_size], weight, bias, target_N[start:start + chunk_size],
-                1.0 / temperature, with_entropy)
-        if banned_ids:
-            args += (torch.tensor(banned_ids, dtype=torch.long, device=h_NH.device),)
-        if use_ckpt:
-            logp_n, ent_n = checkpoint(chunk_fn, *args, use_reentrant=False)
-        else:
-            logp_n, ent_n = chunk_fn(*args)
-        logps.append(logp_n)
-        ents.append(ent_n)
+    weight, bias = head.weight, getattr(head, "bias", None)  # under FSDP2 the gathered (unsharded) weight
+    banned_V = torch.tensor(banned_ids, dtype=torch.long, device=h_NH.device) if banned_ids else None
+    if head_kernel == "fused":
+        logps, ents = [], []
+        if h_NH.shape[0]:
+            logp_N, ent_N = fused_logp_entropy(h_NH, weight, bias, target_N, 1.0 / temperature, with_entropy,
+                                               chunk_size, banned_V, compile_head)
+            logps, ents = [logp_N], [ent_N]
+    else:
+        logps, ents = _checkpointed_chunks(h_NH, weight, bias, target_N, 1.0 / temperature, with_entropy,
+                                           chunk_size, banned_V, compile_head)
     zeros_BL = hidden_BLH.new_zeros(B, L, dtype=torch.float32)
     if not logps and torch.is_grad_enabled() and (hidden_BLH.requires_grad or weight.requires_grad):
         # no response token here (a padding microbatch of a rank with fewer samples): a zero that still
@@ -122,9 +133,30 @@ def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_
     return logp_BL, entropy_BL
 
 
+def _checkpointed_chunks(h_NH, weight, bias, target_N, inv_temperature, with_entropy, chunk_size, banned_V,
+                         compile_head):
+    """train.head_kernel=checkpoint: each chunk of ``_chunk_logp_entropy`` under activation checkpointing
+    when grads are on (per-chunk logp and entropy lists)."""
+    use_ckpt = torch.is_grad_enabled() and (h_NH.requires_grad or weight.requires_grad)
+    chunk_fn = _chunk_function(h_NH.device, compile_head)
+    logps, ents = [], []
+    for start in range(0, h_NH.shape[0], chunk_size):
+        args = (h_NH[start:start + chunk_size], weight, bias, target_N[start:start + chunk_size],
+                inv_temperature, with_entropy)
+        if banned_V is not None:
+            args += (banned_V,)
+        if use_ckpt:
+            logp_n, ent_n = checkpoint(chunk_fn, *args, use_reentrant=False)
+        else:
+            logp_n, ent_n = chunk_fn(*args)
+        logps.append(logp_n)
+        ents.append(ent_n)
+    return logps, ents
+
+
 def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperature: float,
-                   with_entropy: bool, chunk_size: int = 1024,
-                   compile_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool, chunk_size: int | None = None, compile_head: bool = False,
+                   head_kernel: str = "fused") -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp_BL, entropy_BL | None) for a Hugging Face causal LM on microbatch ``mb``.
 
     Runs the decoder (``model.get_decoder()``) for hidden states, then the LM head in chunks of response
@@ -136,7 +168,7 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
         hidden_BLH = multimodal_hidden(model, mb)
         return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
                                     mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"],
-                                    media_placeholder_ids(model), compile_head)
+                                    media_placeholder_ids(model), compile_head, head_kernel)
     hidden_BLH = model.get_decoder()(
         input_ids=mb["input_ids"], attention_mask=attention_mask_for(model, mb["attention_mask"]),
         position_ids=mb["position_ids"], use_cache=False,
@@ -145,7 +177,7 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
         hidden_BLH = _touch_audio_tower(model, hidden_BLH)
     return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
                                 mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"],
-                                compile_head=compile_head)
+                                compile_head=compile_head, head_kernel=head_kernel)
 
 
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features")

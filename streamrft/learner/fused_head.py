@@ -1,0 +1,195 @@
+"""The LM head's per-token log-prob and entropy, forward and backward, one (chunk, V) block at a time.
+
+For rows h_n (N, H) of final hidden states, head weight W (V, H), optional bias b, temperature T and target
+ids y_n, with z = (h W^T + b) / T (banned ids set to a -inf-like value) and p = softmax(z):
+
+    logp_n = z_{n, y_n} - lse_n,        lse_n = logsumexp_v z_{n, v}
+    H_n    = -sum_v p_{n, v} log p_{n, v}
+
+Backward, for upstream gradients g_logp and g_H (the derivation, per row, with log p_v = z_v - lse):
+
+    d logp / d z_j = [j = y] - p_j
+    d H / d z_j    = -sum_v (d p_v / d z_j)(log p_v + 1) = -sum_v p_v ([v = j] - p_j)(log p_v + 1)
+                   = -p_j (log p_j + 1) + p_j (1 - H) = -p_j (log p_j + H)
+
+so, with the 1/T of z's definition, the gradient of the head's raw output is
+
+    dZ = (1/T) [ g_logp ([j = y] - p) - g_H p (log p + H) ]
+
+then dh = dZ W, dW = dZ^T h, db = sum_n dZ. Banned ids have p = 0 and get no gradient (their logit is a
+constant fill, as ``index_fill`` in the reference makes it), even when one is a target.
+
+Why a custom autograd Function instead of checkpointing the plain computation (``logprobs.py``'s
+``checkpoint`` kernel): autograd recomputes the whole forward graph of each chunk in backward (cast, scale,
+log-softmax, gather, exp, product) and then walks it with several (chunk, V) float32 temporaries; here the
+forward keeps no graph (only h, targets and two floats per row) and the backward recomputes z with one
+matmul, then forms dZ in one elementwise pass (one compiled kernel on CUDA with ``train.compile_head``).
+Peak memory in backward is the raw head output plus dZ: about two (chunk, V) float32 blocks eagerly, and
+two (chunk, V) blocks in the weight's dtype compiled.
+
+Precision: matmuls run in the weight's dtype (float32 accumulation inside each GEMM where torch gives it);
+the elementwise part is float32. dW accumulates over chunks in the weight's dtype with ``addmm_`` (beta = 1:
+one rounding per chunk, as autograd's per-chunk gradient sum does today), db in float32.
+
+Tied embeddings and FSDP2 need nothing special: ``head.weight`` is an input of the Function, so its gradient
+goes back through autograd, which adds it to the embedding's own (tied) and fires FSDP2's hooks.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+_FILL = torch.finfo(torch.float32).min  # the banned ids' scaled logit, as logprobs.py's checkpoint kernel
+
+
+def _scaled_logits(z_raw_NV: torch.Tensor, inv_temperature: float, banned_ids: torch.Tensor | None) -> torch.Tensor:
+    """float32 z / T with banned ids filled; a new tensor (``.float()`` of a float32 input is the input itself,
+    so copy before the in-place ops the callers do on it)."""
+    z_NV = z_raw_NV.float() * inv_temperature
+    if banned_ids is not None:
+        z_NV.index_fill_(-1, banned_ids, _FILL)
+    return z_NV
+
+
+def chunk_stats(z_raw_NV: torch.Tensor, target_N: torch.Tensor, inv_temperature: float,
+                banned_ids: torch.Tensor | None, with_entropy: bool):
+    """(logp_N, lse_N, entropy_N | None) from one chunk's raw head output (pure elementwise + reductions)."""
+    z_NV = _scaled_logits(z_raw_NV, inv_temperature, banned_ids)
+    lse_N = torch.logsumexp(z_NV, dim=-1)
+    logp_N = z_NV.gather(-1, target_N.unsqueeze(-1)).squeeze(-1) - lse_N
+    if not with_entropy:
+        return logp_N, lse_N, None
+    # log_softmax rather than z - lse: the same rounding as the checkpoint kernel's entropy (they agree to
+    # ~1 float32 ulp of H instead of a few); compiled, it shares the max / sum passes with the logsumexp
+    logp_NV = torch.log_softmax(z_NV, dim=-1)
+    del z_NV
+    # banned ids: p = 0 and log p = fill - lse is finite, so their term is exactly 0
+    entropy_N = -(logp_NV.exp().mul_(logp_NV)).sum(-1)
+    return logp_N, lse_N, entropy_N
+
+
+def chunk_grad_logits(z_raw_NV: torch.Tensor, target_N: torch.Tensor, lse_N: torch.Tensor,
+                      entropy_N: torch.Tensor | None, g_logp_N: torch.Tensor | None, g_entropy_N: torch.Tensor | None,
+                      inv_temperature: float, banned_ids: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """dZ (the gradient of the raw head output, module docstring) in ``out_dtype``. In-place ops keep the
+    eager peak at about two float32 (chunk, V) blocks (log p, then p which becomes dZ)."""
+    logp_NV = _scaled_logits(z_raw_NV, inv_temperature, banned_ids).sub_(lse_N.unsqueeze(-1))
+    p_NV = logp_NV.exp()
+    if g_logp_N is None:
+        g_logp_N = torch.zeros_like(lse_N)
+    # the per-element factor multiplying p: g_logp + g_H (log p + H)
+    if g_entropy_N is not None:
+        factor_NV = logp_NV.add_(entropy_N.unsqueeze(-1)).mul_(g_entropy_N.unsqueeze(-1)).add_(g_logp_N.unsqueeze(-1))
+        dz_NV = p_NV.mul_(factor_NV).neg_()
+    else:
+        dz_NV = p_NV.mul_(g_logp_N.unsqueeze(-1)).neg_()
+    del logp_NV
+    dz_NV.scatter_add_(-1, target_N.unsqueeze(-1), g_logp_N.unsqueeze(-1).to(dz_NV.dtype))  # + g_logp [j = y]
+    if banned_ids is not None:  # a constant fill has no gradient, target or not
+        dz_NV.index_fill_(-1, banned_ids, 0.0)
+    return dz_NV.mul_(inv_temperature).to(out_dtype)
+
+
+# compile-or-eager with one warning, as logprobs.py's checkpoint kernel does for train.compile_head
+_compiled: dict[str, object] = {}
+_compile_failed = False
+
+
+def _elementwise(name: str, device: torch.device, compile_head: bool):
+    """``chunk_stats`` or ``chunk_grad_logits``: under ``torch.compile`` on CUDA when asked; if compiling
+    fails (no working Triton or C compiler), one warning and eager from then on (same values, slower)."""
+    eager = {"stats": chunk_stats, "grad": chunk_grad_logits}[name]
+    if not compile_head or device.type != "cuda" or _compile_failed:
+        return eager
+    if name not in _compiled:
+        _compiled[name] = torch.compile(eager, dynamic=True)
+
+    def run(*args):
+        global _compile_failed
+        if not _compile_failed:
+            try:
+                return _compiled[name](*args)
+            except (torch._dynamo.exc.TorchDynamoException, ImportError) as exc:
+                _compile_failed = True
+                warnings.warn(f"train.compile_head: torch.compile failed ({type(exc).__name__}: {exc}); "
+                              "computing the fused LM head's elementwise part eagerly (set "
+                              "train.compile_head=false to skip)")
+        return eager(*args)
+
+    return run
+
+
+class FusedHeadLogprob(torch.autograd.Function):
+    """(logp_N, entropy_N) float32 for rows ``h_NH`` and targets ``target_N``; entropy_N is zeros (no
+    gradient) when ``with_entropy`` is false. See the module docstring."""
+
+    @staticmethod
+    def forward(ctx, h_NH, weight_VH, bias_V, target_N, banned_ids, inv_temperature: float, with_entropy: bool,
+                chunk_size: int, compile_head: bool):
+        N = h_NH.shape[0]
+        stats = _elementwise("stats", h_NH.device, compile_head)
+        logp_N = h_NH.new_empty(N, dtype=torch.float32)
+        lse_N = h_NH.new_empty(N, dtype=torch.float32)
+        entropy_N = h_NH.new_zeros(N, dtype=torch.float32)
+        for s in range(0, N, chunk_size):
+            z_raw = F.linear(h_NH[s:s + chunk_size], weight_VH, bias_V)
+            logp_n, lse_n, ent_n = stats(z_raw, target_N[s:s + chunk_size], inv_temperature, banned_ids, with_entropy)
+            del z_raw
+            logp_N[s:s + chunk_size] = logp_n
+            lse_N[s:s + chunk_size] = lse_n
+            if with_entropy:
+                entropy_N[s:s + chunk_size] = ent_n
+        ctx.save_for_backward(h_NH, weight_VH, bias_V, target_N, banned_ids, lse_N, entropy_N)
+        ctx.inv_temperature, ctx.with_entropy, ctx.chunk_size, ctx.compile_head = (
+            inv_temperature, with_entropy, chunk_size, compile_head)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy_N)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no (N,) zeros pass
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, g_logp_N, g_entropy_N):
+        h_NH, weight_VH, bias_V, target_N, banned_ids, lse_N, entropy_N = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if not ctx.with_entropy:
+            g_entropy_N = None
+        grad = _elementwise("grad", h_NH.device, ctx.compile_head)
+        dh_NH = torch.zeros_like(h_NH) if need_h else None
+        dW_VH = torch.zeros_like(weight_VH) if need_w else None
+        db_V = torch.zeros(weight_VH.shape[0], dtype=torch.float32, device=h_NH.device) if need_b else None
+        if g_logp_N is None and g_entropy_N is None:
+            return dh_NH, dW_VH, None if db_V is None else db_V.to(bias_V.dtype), None, None, None, None, None, None
+        c = ctx.chunk_size
+        for s in range(0, h_NH.shape[0], c):
+            h_nH = h_NH[s:s + c]
+            z_raw = F.linear(h_nH, weight_VH, bias_V)
+            dz_nV = grad(z_raw, target_N[s:s + c], lse_N[s:s + c], entropy_N[s:s + c] if g_entropy_N is not None else None,
+                         None if g_logp_N is None else g_logp_N[s:s + c],
+                         None if g_entropy_N is None else g_entropy_N[s:s + c],
+                         ctx.inv_temperature, banned_ids, weight_VH.dtype)
+            del z_raw
+            if need_h:
+                torch.mm(dz_nV, weight_VH, out=dh_NH[s:s + c])
+            if need_w:
+                dW_VH.addmm_(dz_nV.t(), h_nH)
+            if need_b:
+                db_V += dz_nV.float().sum(0)
+            del dz_nV
+        if need_b:
+            db_V = db_V.to(bias_V.dtype)
+        return dh_NH, dW_VH, db_V, None, None, None, None, None, None
+
+
+def fused_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
+                       target_N: torch.Tensor, inv_temperature: float, with_entropy: bool, chunk_size: int,
+                       banned_ids: torch.Tensor | None = None, compile_head: bool = False,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp_N, entropy_N | None) float32, differentiable in h, weight and bias (module docstring)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be > 0")
+    logp_N, entropy_N = FusedHeadLogprob.apply(h_NH, weight_VH, bias_V, target_N, banned_ids, inv_temperature,
+                                               with_entropy, chunk_size, compile_head)
+    return logp_N, entropy_N if with_entropy else None
