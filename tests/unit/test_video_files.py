@@ -137,6 +137,39 @@ def test_a_truncated_video_fails_its_sample_naming_file_row_and_field(clip, proc
         assert msg.startswith(f"train.jsonl row 3 field 'video' (media file '{bad}'): " + cause.format(bad=bad)), msg
 
 
+def test_the_generator_fails_a_truncated_videos_samples_naming_file_row_and_field_and_admits_the_rest(
+        clip, tmp_path, caplog):
+    """The runtime path: the Generator admits a row whose mp4 is cut short as n failed samples (media_error)
+    with the file, row and field in the reason, and the next row's video as a normal group."""
+    from streamrft.config import load_config
+    from streamrft.data import PromptDataset
+    from streamrft.runtime.accounting import Accounting
+    from streamrft.runtime.generator import Generator
+    from streamrft.runtime.stage import StageContext
+
+    mp4 = clip[0]
+    bad = tmp_path / "cut.mp4"
+    bad.write_bytes(mp4.read_bytes()[:-200])
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(f'{{"prompt": "what moves?", "reference": "r", "video": "{v}"}}\n' for v in (mp4, bad)))
+    vl = build_tiny_qwen2_vl(str(tmp_path / "vl"), "0123456789abc ")
+    cfg = load_config(None, [f"model.path={vl}", f"data.train_path={rows}", "data.video_field=video",
+                             "data.shuffle=false", "rollout.n_samples_per_prompt=3"])
+    ctx = StageContext(rank=0, stage_timeout_s=5.0, accounting=Accounting())
+    gen = Generator(ctx, None, None, types.SimpleNamespace(supports_media=True), None,
+                    PromptDataset.from_config(rows, cfg.data), cfg, 1, None)
+    group, ids = gen._admit(0, 0, None)
+    assert [r.kind for r in group.media] == ["video"] and len(ids) == group.prompt_len
+    assert gen._admit(0, 1, None) is None
+    reason = (f"media_error: {rows} row 1 field 'video' (media file '{bad}'): '{bad}' is truncated: its stream "
+              "declares 6 frames but only 0 decode; re-download or re-encode it")
+    counts, first = ctx.accounting.take_step_failures(0)
+    assert counts == {"media_error": 3} and first == {"media_error": reason}
+    # settled at once: admitted and failed (the good group's samples are counted when the step sends them)
+    assert ctx.accounting.admitted == 3 and ctx.accounting.failed == {"media_error": 3}
+    assert reason.removeprefix("media_error: ") in caplog.text
+
+
 def test_without_pyav_a_video_file_is_refused_at_validation_and_at_decode(clip, tmp_path, monkeypatch):
     mp4, pngs, _ = clip
     monkeypatch.setitem(sys.modules, "av", None)  # import av -> ImportError
