@@ -187,3 +187,20 @@ def test_an_audio_srm_scores_audio_refs_as_a_model_source_and_behind_the_service
     reply = decode(asyncio.run(service.answer_frame(request)), RewardReply)
     assert reply.rewards[:-1] == pytest.approx(expected, abs=1e-5)
     assert math.isnan(reply.rewards[-1]) and service.n_item_failures == 1  # the missing file fails alone
+
+
+def test_rl_validation_takes_an_audio_rm_for_audio_prompts_only(audio_rm):
+    from types import SimpleNamespace
+
+    from streamrft.config.base import ConfigError
+    from streamrft.config.data import DataConfig
+    from streamrft.config.reward import RewardConfig, RewardSourceConfig
+    from streamrft.rewards.validate import validate_reward_paths
+
+    d, _, _ = audio_rm
+    reward = RewardConfig(sources=[RewardSourceConfig(name="rm", type="model", model_path=str(d / "rm"))])
+    validate_reward_paths(SimpleNamespace(reward=reward, data=DataConfig(audio_field="clip")))
+    with pytest.raises(ConfigError) as e:
+        validate_reward_paths(SimpleNamespace(reward=reward, data=DataConfig(image_field="image")))
+    assert str(e.value) == ("reward.sources[0] ('rm').model_path: the reward model reads each prompt's audio (trained "
+                            "with data.audio_field='audio') but this run's data has none; set data.audio_field")
