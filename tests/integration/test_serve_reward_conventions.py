@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import urllib.request
 
 import pytest
@@ -18,6 +16,7 @@ import zmq
 
 from protocols import RewardItem, RewardReply, RewardRequest, decode, encode
 from streamrft.rewards.sources import resolve_reward_function
+from tests.integration._services import ServiceProcess
 from tests.integration.conftest import REPO, free_port
 
 HERE = "tests.integration.test_serve_reward_conventions"
@@ -49,29 +48,15 @@ ROWS = [("23+45=", "it is 68", "68"), ("7*6=", "41", "42"), ("9-2=", "7", "7")] 
 EXPECTED = [1.0, 0.0, 1.0]
 
 
-class Service:
+class Service(ServiceProcess):
     """A real ``streamrft serve-reward`` process; ``zmq`` and ``http`` are its bound addresses."""
 
     def __init__(self, fn: str, convention: str) -> None:
         port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "streamrft.cli", "serve-reward", "--fn", f"{HERE}:{fn}", "--convention", convention,
-             "--bind", "tcp://127.0.0.1:0", "--http", f"127.0.0.1:{port}"],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if line.startswith("serve-reward: ready"):
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        assert ready.wait(60) and self.proc.poll() is None, "".join(self.lines)
-        self.zmq = next(m.group(0) for line in self.lines if (m := re.search(r"tcp://127\.0\.0\.1:\d+", line)))
+        super().__init__("serve-reward", ["streamrft.cli", "serve-reward", "--fn", f"{HERE}:{fn}", "--convention",
+                                          convention, "--bind", "tcp://127.0.0.1:0", "--http", f"127.0.0.1:{port}"],
+                         ready_timeout_s=60, stop_timeout_s=15)
+        self.zmq = self.address("tcp")
         self.http = f"http://127.0.0.1:{port}/get_reward"
 
     def request(self, items: list[RewardItem]) -> RewardReply:
@@ -93,14 +78,6 @@ class Service:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read())
 
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
 
 def _items(conversational: bool = False) -> list[RewardItem]:
     return [RewardItem(sample_id=str(i), prompt=p, response=r, reference=a, label="arith",
@@ -117,7 +94,7 @@ def test_a_verl_or_openrlhf_function_is_served_unchanged_on_both_wires(fn, conve
         assert service.post_openrlhf() == {"rewards": EXPECTED, "scores": EXPECTED}
     finally:
         service.stop()
-    assert service.proc.returncode == 0, "".join(service.lines)
+    assert service.proc.returncode == 0, "\n".join(service.lines)
 
 
 def test_a_trl_function_is_served_unchanged_and_sees_conversational_rows():

@@ -11,18 +11,15 @@ import json
 import os
 import random
 import re
-import signal
 import socket
 import struct
-import subprocess
-import sys
-import threading
 
 import pytest
 import zmq
 
 from protocols import RewardItem, RewardReply, RewardRequest, TeacherReply, TeacherRequest, decode, encode
-from tests.integration.conftest import REPO, free_port
+from tests.integration._services import ServiceProcess
+from tests.integration.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -36,38 +33,9 @@ def rss_kb(pid: int) -> int:
         return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1))
 
 
-class Proc:
-    """A service subprocess; waits for its ready line, keeps its output."""
-
-    def __init__(self, args: list[str], ready: str) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        self.proc = subprocess.Popen([sys.executable, "-m", "streamrft.cli", *args], cwd=REPO, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, args=(ready,), daemon=True).start()
-        assert self._ready.wait(90), self.lines
-        assert self.proc.poll() is None, self.lines
-
-    def _read(self, ready: str) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if ready in line:
-                self._ready.set()
-        self._ready.set()
-
-    def address(self, scheme: str) -> str:
-        return next(m.group(1) for line in self.lines if (m := re.search(rf"listening on ({scheme}://\S+)", line)))
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return -9
+def serve(*args: str) -> ServiceProcess:
+    """``streamrft serve-reward|serve-teacher ARGS``, running and ready."""
+    return ServiceProcess(args[0], ["streamrft.cli", *args], stop_timeout_s=20)
 
 
 def mutate(rng: random.Random, data: bytes) -> bytes:
@@ -179,8 +147,8 @@ def tiny_model(tmp_path_factory) -> str:
 
 def test_fuzz_serve_reward_answers_every_mutated_frame_and_http_request_and_stays_bounded():
     rng = random.Random(16)
-    svc = Proc(["serve-reward", "--fn", "arith", "--bind", f"tcp://127.0.0.1:{free_port()}", "--workers", "2",
-                "--http", "127.0.0.1:0", "--http-timeout-s", "2"], "serve-reward: ready")
+    svc = serve("serve-reward", "--fn", "arith", "--bind", f"tcp://127.0.0.1:{free_port()}", "--workers", "2",
+                "--http", "127.0.0.1:0", "--http-timeout-s", "2")
     try:
         good = encode(RewardRequest(request_id="warm", items=[RewardItem(sample_id="0", prompt="", response="3",
                                                                           reference="3")]))
@@ -210,8 +178,8 @@ def test_fuzz_serve_reward_answers_every_mutated_frame_and_http_request_and_stay
 
 def test_fuzz_serve_teacher_answers_every_mutated_frame_and_stays_bounded(tiny_model):
     rng = random.Random(5)
-    svc = Proc(["serve-teacher", "--model", tiny_model, "--bind", f"tcp://127.0.0.1:{free_port()}",
-                "--max-tokens", "2000"], "serve-teacher: ready")
+    svc = serve("serve-teacher", "--model", tiny_model, "--bind", f"tcp://127.0.0.1:{free_port()}",
+                "--max-tokens", "2000")
     try:
         good = encode(TeacherRequest(request_id="warm", token_ids=[[4, 5, 6, 7, 8]], prompt_lens=[2]))
         warm = fire(svc.address("tcp"), [good] * 20, TeacherReply)
