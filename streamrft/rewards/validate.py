@@ -98,13 +98,40 @@ def _check_rm_media(cfg, key: str, meta_path: Path) -> None:
     if not any(media.get(k) for k in ("image_field", "video_field", "audio_field")):
         return  # a text RM scores prompt + response, with or without media
     d = cfg.data
-    if (media.get("image_field") or media.get("video_field")) and not (d.image_field or d.video_field):
+    parts = _message_media_kinds(cfg)  # message prompts carry their media as content parts, with no data.*_field
+    if (media.get("image_field") or media.get("video_field")) and not (
+            d.image_field or d.video_field or parts & {"image", "video"}):
         raise ConfigError(f"{key}: the reward model reads each prompt's image/video (trained with "
                           f"data.image_field={media.get('image_field')!r}, data.video_field={media.get('video_field')!r}) "
                           "but this run's data has neither; set data.image_field or data.video_field")
-    if media.get("audio_field") and not d.audio_field:
+    if media.get("audio_field") and not (d.audio_field or "audio" in parts):
         raise ConfigError(f"{key}: the reward model reads each prompt's audio (trained with data.audio_field="
                           f"{media['audio_field']!r}) but this run's data has none; set data.audio_field")
+
+
+def _message_media_kinds(cfg) -> set[str]:
+    """The media kinds ("image", "video", "audio") of row 0's prompt when it is a list of messages with media
+    content parts; empty for text prompts or a row that cannot be read here (the data checks report that)."""
+    from streamrft.data.chat import MEDIA_PART_KINDS, is_messages
+    from streamrft.data.formats import field_mapping, get_field, written_roles
+    from streamrft.data.rows import first_row, needs_datasets_library
+
+    d = cfg.data
+    if not d.train_path or needs_datasets_library(d.train_path):
+        return set()
+    row = first_row(d.train_path)
+    if row is None:
+        return set()
+    try:
+        _, fields = field_mapping(d.format, row, d.prompt_field, d.reference_field, d.label_field,
+                                  written_roles(getattr(cfg, "_written", None)))
+    except ValueError:
+        return set()
+    prompt = get_field(row, fields["prompt"], None)
+    if not is_messages(prompt):
+        return set()
+    return {p["type"] for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), list)
+            for p in m["content"] if isinstance(p, dict) and p.get("type") in MEDIA_PART_KINDS}
 
 
 def _validate_by_type(src, where: str) -> None:

@@ -200,7 +200,20 @@ def test_rl_validation_takes_an_audio_rm_for_audio_prompts_only(audio_rm):
     d, _, _ = audio_rm
     reward = RewardConfig(sources=[RewardSourceConfig(name="rm", type="model", model_path=str(d / "rm"))])
     validate_reward_paths(SimpleNamespace(reward=reward, data=DataConfig(audio_field="clip")))
+    message = ("reward.sources[0] ('rm').model_path: the reward model reads each prompt's audio (trained "
+               "with data.audio_field='audio') but this run's data has none; set data.audio_field")
     with pytest.raises(ConfigError) as e:
         validate_reward_paths(SimpleNamespace(reward=reward, data=DataConfig(image_field="image")))
-    assert str(e.value) == ("reward.sources[0] ('rm').model_path: the reward model reads each prompt's audio (trained "
-                            "with data.audio_field='audio') but this run's data has none; set data.audio_field")
+    assert str(e.value) == message
+    # prompts given as messages carry their media as content parts, with no data.*_field
+    for kind, ok in (("audio", True), ("image", False)):
+        rows = d / f"messages_{kind}.jsonl"
+        rows.write_text(json.dumps({"prompt": [{"role": "user", "content": [
+            {"type": kind, kind: f"x.{kind}"}, {"type": "text", "text": "note?"}]}], "reference": "c"}) + "\n")
+        cfg = SimpleNamespace(reward=reward, data=DataConfig(train_path=str(rows)))
+        if ok:
+            validate_reward_paths(cfg)
+        else:
+            with pytest.raises(ConfigError) as e:
+                validate_reward_paths(cfg)
+            assert str(e.value) == message
