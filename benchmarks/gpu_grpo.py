@@ -22,15 +22,19 @@ step (staleness <= 1) while the learner trains this one.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import random
-import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
+
+_T_MAIN = time.time()  # the worker's first line: process start = this - the parent's launch time
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,8 +45,24 @@ SHAPES = {  # published Qwen2.5 config values
                  intermediate_size=4864),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960),
+    # Qwen2.5-7B (config.json of Qwen/Qwen2.5-7B): 7.62e9 parameters, untied LM head, vocab 152064
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128),
+    # --tiny --sizes 7b: the tiny shape through every 7B-only path (untied head, bf16 build, no final save)
+    "tiny7b": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=128, tie_word_embeddings=False),
+}
+BIG = ("7b", "tiny7b")  # built directly in bf16 on the device (7B in fp32 on the host would be 30 GB)
+# LoRA of the 7B runs, the same in StreamRFT (model.lora_*) and TRL (peft LoraConfig): every linear of the blocks
+LORA = dict(r=16, alpha=32, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+# systems that are StreamRFT with fixed overrides (besides streamrft/async/eager): LoRA, and full fine-tuning with
+# the AdamW state in host memory (train.optimizer_offload) and recomputed activations
+SYSTEM_OVERRIDES = {
+    "lora": [f"model.lora_rank={LORA['r']}", f"model.lora_alpha={LORA['alpha']}",
+             f"model.lora_target_modules=[{','.join(LORA['targets'])}]"],
+    "offload": ["train.optimizer_offload=true", "model.gradient_checkpointing=true"],
 }
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 # async on one GPU: the engine process's share of the device memory (weights, concatenated weights, static KV
@@ -50,13 +70,20 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 ASYNC_ENGINE_SHARE = 0.3
 
 
-def workload(tiny: bool, kind: str = "fixed") -> dict:
+def workload(tiny: bool, kind: str = "fixed", size: str = "") -> dict:
     if tiny:
         wl = dict(prompts=4, samples=2, prompt_len=8, new=6, vocab=512, micro_batch=4)
+    elif size == "7b":
+        # 7B: 1/4 of the sequences and half the response of the small shapes (16 x 8, prompt 256, new 256 = 64k
+        # tokens a step, ~2.9 PFLOP of training: ~5 s at 600 TFLOP/s) so one system's build + 3 steps fit in
+        # ~4 minutes; micro-batch 16 x 512 tokens (~45 GiB of bf16 activations without recompute, LoRA)
+        wl = dict(prompts=16, samples=8, prompt_len=256, new=256, vocab=152064, micro_batch=16)
     else:
         # async on one GPU: the learner process has ~0.65 of the memory, so its micro-batch is half the colocated one
         wl = dict(prompts=64, samples=8, prompt_len=256, new=512, vocab=151936, micro_batch=32, async_micro_batch=16)
     wl["kind"] = kind
+    # 7B: no final checkpoint (full fine-tuning's fp32 weights + AdamW state are ~85 GiB: more than the disk)
+    wl["final_save"] = size not in BIG
     if kind == "longtail":
         from longtail import LongTail
 
@@ -92,15 +119,23 @@ def build_model(size: str, wl: dict, out: Path, device: str) -> Path:
 
     path = out / f"model_{size}"
     tok = build_char_tokenizer(str(path), ALPHABET)
-    cfg = Qwen2Config(vocab_size=wl["vocab"], tie_word_embeddings=True, rope_theta=1e6,
+    cfg = Qwen2Config(**{**dict(vocab_size=wl["vocab"], tie_word_embeddings=True), **SHAPES[size]}, rope_theta=1e6,
                       max_position_embeddings=32768, rms_norm_eps=1e-6, pad_token_id=tok.pad_token_id,
-                      eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, **SHAPES[size])
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg)
+    # 7B: random init directly in bf16 on the device (15 GB) instead of fp32 (30 GB) then a cast
+    dtype = torch.bfloat16 if size in BIG else torch.float32
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(before)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.to(torch.bfloat16).save_pretrained(str(path))
+    del model
     rng = random.Random(0)
     n_rows = wl["prompts"] * 8
     with (out / f"data_{size}.jsonl").open("w") as f:
@@ -111,21 +146,43 @@ def build_model(size: str, wl: dict, out: Path, device: str) -> Path:
 
 
 # ---------------------------------------------------------------- StreamRFT worker ------------------
-def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placement: str = "colocated") -> dict:
+def _has_files(folder: Path) -> bool:
+    return folder.is_dir() and any(files for _, _, files in os.walk(folder))
+
+
+def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placement: str = "colocated",
+                  tag: str = "", overrides: list[str] | None = None, variant: str = "") -> dict:
     import asyncio
 
     import torch
 
+    import streamrft.compose as compose
+    import streamrft.engines as engines
+    import streamrft.engines.hf_fast as hf_fast
+    from bench_firststep import LAUNCH_ENV, Stamps, breakdown
     from streamrft.config import load_config, validate_config
     from streamrft.engines.base import GenerationRequest
     from streamrft.runtime.distributed import init_distributed
-    from streamrft.compose import build_run
     from streamrft.runtime.driver import _shutdown, train_loop
 
     cuda = torch.cuda.is_available()
-    tag = ("streamrft" if placement == "colocated" else "async") if fast else "eager"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    stamps = Stamps(sync)
+    if os.environ.get(LAUNCH_ENV):
+        stamps.mark("launch", float(os.environ[LAUNCH_ENV]))
+    stamps.mark("main", _T_MAIN)
+    stamps.mark("imports_done")
+    tag = tag or (("streamrft" if placement == "colocated" else "async") if fast else "eager")
     run_dir = out / f"run_{size}_{tag}"
-    overrides = [
+    if run_dir.exists():  # a run dir left by an earlier call would be resumed (checkpoint.resume=auto)
+        shutil.rmtree(run_dir)
+    cache_dir = out / "compile_cache"  # shared by every StreamRFT run of the call: the first is cold
+    cache = "warm" if _has_files(cache_dir) else "cold"
+    overrides_all = [
         f"output_dir={run_dir}", f"model.path={out / f'model_{size}'}", "model.dtype=bfloat16",
         f"data.train_path={out / f'data_{size}.jsonl'}", "data.eval_path=",
         f"engine.max_new_tokens={wl['new']}", "engine.ignore_eos=true", "engine.temperature=1.0",
@@ -142,54 +199,46 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         # holding at most this share of the GPU's memory (its weights, KV cache and graphs)
         *(["rollout.max_staleness=1", f"rollout.engine_memory_fraction={ASYNC_ENGINE_SHARE if cuda else 0.0}"]
           if placement == "async" else []),
+        # Inductor and Triton caches kept across the call's runs (compile_cache_dir): --repeat-streamrft's warm runs
+        f"compile_cache_dir={cache_dir}",
+        *(overrides or []),  # --variants: this variant's overrides
         *os.environ.get("STREAMRFT_BENCH_EXTRA", "").split(),  # extra key=value overrides for an experiment
     ]
     cfg_path = out / f"cfg_{size}_{tag}.yaml"
     cfg_path.write_text("reward:\n  sources:\n    - name: rand\n      type: custom\n"
                         f"      fn: {ROOT / 'benchmarks' / 'gpu_reward.py'}:random_reward\n")
-    cfg = load_config(cfg_path, overrides)
+    cfg = load_config(cfg_path, overrides_all)
+    stamps.mark("config_loaded")
     if cuda and placement == "async":
         # one GPU, two processes: the learner keeps to its share so the engine process's allocations fit too
         torch.cuda.set_per_process_memory_fraction(1.0 - ASYNC_ENGINE_SHARE - 0.05)
     dist = init_distributed()
+    stamps.mark("dist_ready")
     validate_config(cfg, dist.world_size)
+    stamps.mark("validated")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    run = build_run(cfg, dist)
+    # the first step's parts (benchmarks/bench_firststep.py): model load, engine build, and per chunk the static
+    # decoder's set-up (concatenated weights + KV cache), prefill and CUDA-graph capture (+ Triton compile)
+    stamps.wrap(compose, "build_learner", "build_learner")
+    stamps.wrap(engines, "build_engine", "build_engine")
+    stamps.wrap(compose, "build_run", "build_run")
+    stamps.wrap(hf_fast.StaticDecoder, "__init__", "decoder_init")
+    stamps.wrap(hf_fast.StaticDecoder, "prefill", "prefill")
+    stamps.wrap(hf_fast.StaticDecoder, "capture", "capture")
+    run = compose.build_run(cfg, dist)
+    final_save = wl.get("final_save", True)
+    if not final_save:  # 7B: a full checkpoint (fp32 + Adam, ~85 GiB) would not fit the GPU machine's disk
+        run.checkpointer.step_done = lambda step, policy_version: None
     if wl["kind"] == "longtail":
         from longtail import force_lengths
 
         if placement == "async":
             raise ValueError("--workload longtail runs colocated only (the async engine lives in another process)")
         force_lengths(run.engine, wl["shape"], run.strategy.tokenizer.eos_token_id)
-    times: dict[str, list[float]] = {"rollout": [], "train": []}
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    def timed_async(fn, key):
-        async def wrapper(*a, **k):
-            sync()
-            t0 = time.perf_counter()
-            r = await fn(*a, **k)
-            sync()
-            times[key].append(time.perf_counter() - t0)
-            return r
-        return wrapper
-
-    def timed(fn, key):
-        def wrapper(*a, **k):
-            sync()
-            t0 = time.perf_counter()
-            r = fn(*a, **k)
-            sync()
-            times[key].append(time.perf_counter() - t0)
-            return r
-        return wrapper
-
-    run.pipeline.take = timed_async(run.pipeline.take, "rollout")  # waiting for the step's batch
-    run.actor.train_step = timed(run.actor.train_step, "train")
+    stamps.wrap(run.pipeline, "take", "rollout")  # waiting for the step's batch
+    stamps.wrap(run.actor, "train_step", "train")
+    times = stamps.calls
 
     async def main():
         try:
@@ -217,10 +266,14 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     # steady state: not the first step (warm-up) and not the last (it also writes the final checkpoint)
     steady = rows[1:-1] if len(rows) >= 3 else (rows[1:] or rows)
     med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
+    # rollout/train: the engine-only generate call after training is not a rollout (its decoder calls come last)
+    n_roll = len(times["rollout"])
     steady_t = lambda key: statistics.median(times[key][1:] or times[key])  # noqa: E731
     tokens = response_tokens(wl, steps)
+    from torch._dynamo.utils import counters
+
     return {
-        "system": tag, "size": size, "steps": len(rows),
+        "system": tag, "size": size, "steps": len(rows), "variant": variant, "overrides": list(overrides or []),
         "step_s": med("step_seconds"), "rollout_s": steady_t("rollout"), "train_s": steady_t("train"),
         "rollout_tok_s": tokens / steady_t("rollout"), "trained_tok_s": med("trained_tokens_per_s"),
         "phase_switch_s": med("phase/rollout_to_train_seconds") + med("phase/train_to_rollout_seconds"),
@@ -230,16 +283,20 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         # what the caching allocator held at most (allocated + cached pools): the device memory really taken
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
-        "step_times": [r.get("step_seconds") for r in rows], "rollout_times": times["rollout"],
+        "step_times": [r.get("step_seconds") for r in rows], "rollout_times": times["rollout"][:n_roll],
         "train_times": times["train"], "both_busy": summary.get("async_both_busy_fraction", 0.0),
         # per step, what checkpointing blocked the step (checkpoint.async_save: the host copy only; the last
         # step's write finishes in the background and the run waits for it at the end)
-        "checkpoint_times": [r.get("checkpoint_seconds") for r in rows],
+        "checkpoint_times": [r.get("checkpoint_seconds") for r in rows], "final_save": final_save,
+        # cold: compile_cache_dir was empty when this run started; the Inductor FX-graph cache's hits/misses
+        "cache": cache, "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
+        "first_step": breakdown(stamps.marks, stamps.calls, rows[0] if rows else {}),
+        "stamps": stamps.to_json(),
     }
 
 
 # ---------------------------------------------------------------- TRL worker ------------------------
-def run_trl(size: str, wl: dict, out: Path, steps: int) -> dict:
+def run_trl(size: str, wl: dict, out: Path, steps: int, lora: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -308,16 +365,22 @@ def run_trl(size: str, wl: dict, out: Path, steps: int) -> dict:
     def reward(completions, **kw):
         return [random_reward(c, "") for c in completions]
 
+    peft_config = None
+    if lora:  # the same adapters as StreamRFT's "lora" system (LORA)
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], target_modules=list(LORA["targets"]),
+                                 lora_dropout=0.0, task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
                           train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in rows]),
-                          callbacks=[Timer()])
+                          callbacks=[Timer()], peft_config=peft_config)
     trainer.train()
     steady = step_times[1:] or step_times
     gens = gen_times[1:] or gen_times
     tokens = response_tokens(wl, steps)
     step_s, gen_s = statistics.median(steady), statistics.median(gens)
     return {
-        "system": "trl", "size": size, "steps": len(step_times), "step_s": step_s, "rollout_s": gen_s,
+        "system": "trl-lora" if lora else "trl", "size": size, "steps": len(step_times), "step_s": step_s, "rollout_s": gen_s,
         "train_s": step_s - gen_s, "rollout_tok_s": tokens / gen_s, "trained_tok_s": tokens / step_s,
         "phase_switch_s": 0.0, "weight_sync_s": 0.0, "engine_only_s": gen_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
@@ -328,21 +391,31 @@ def run_trl(size: str, wl: dict, out: Path, steps: int) -> dict:
 
 
 # ---------------------------------------------------------------- table -----------------------------
-def report(results: dict, ceilings: dict, wl: dict, sizes: list[str]) -> str:
+STREAMRFT_KINDS = ("streamrft", "async", "eager", "lora", "offload")  # worker kinds run by run_streamrft
+TRL_KINDS = ("trl", "trl-lora")
+
+
+def report(results: dict, ceilings: dict, wls: dict, sizes: list[str]) -> str:
+    """The main table (one row per run), the ratios, then the variants and first-step tables."""
     from transformers import AutoConfig
 
+    from bench_firststep import first_step_table
+    from bench_variants import variants_table
     from gpu_flops import rollout_floor_s, rollout_flops, shape_of, train_flops
 
-    B = wl["prompts"] * wl["samples"]
     bw, rate = ceilings.get("copy_bytes_per_s", 4.3e12), ceilings.get("bf16_flops_per_s", 7.9e14)
-    lines = [f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s; "
-             f"B={B} prompt={wl['prompt_len']} new={wl['new']}"
-             + (f" (longtail: median {wl['median']}, capped at new; the floor assumes every row runs to the cap)"
-                if wl.get("kind") == "longtail" else "")]
-    head = (f"{'size':5} {'system':9} {'step_s':>7} {'roll_s':>7} {'train_s':>7} {'roll_tok/s':>10} {'train_tok/s':>11} "
-            f"{'peak_GiB':>8} {'switch_s':>8} {'wsync_s':>7} {'eng_s':>6} {'roofl%':>6} {'lrnMFU%':>7} {'stepMFU%':>8}")
-    lines.append(head)
+    lines = [f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s"]
+    head = (f"{'size':5} {'system':22} {'step_s':>7} {'roll_s':>7} {'train_s':>7} {'roll_tok/s':>10} {'train_tok/s':>11} "
+            f"{'peak_GiB':>8} {'resv_GiB':>8} {'switch_s':>8} {'wsync_s':>7} {'eng_s':>6} {'roofl%':>6} {'lrnMFU%':>7} "
+            f"{'stepMFU%':>8}")
+    runs = [r for k, r in results.items() if isinstance(r, dict) and "_" in k and not k.startswith("_")
+            and k != "ceilings"]
     for size in sizes:
+        wl = wls[size]
+        B = wl["prompts"] * wl["samples"]
+        lines.append(f"{size}: B={B} prompt={wl['prompt_len']} new={wl['new']}"
+                     + (f" (longtail: median {wl['median']}, capped at new; the floor assumes every row runs to the cap)"
+                        if wl.get("kind") == "longtail" else ""))
         cfg_path = Path(results.get("_out", ".")) / f"model_{size}"
         try:
             s = shape_of(AutoConfig.from_pretrained(str(cfg_path)))
@@ -353,60 +426,111 @@ def report(results: dict, ceilings: dict, wl: dict, sizes: list[str]) -> str:
         rf = rollout_flops(s, B, wl["prompt_len"], wl["new"])
         lines.append(f"{size}: rollout floor {pf + dec:.3f} s (prefill {pf:.3f} + decode {dec:.3f}); "
                      f"train {tf / 1e15:.2f} PFLOP, rollout {rf / 1e15:.2f} PFLOP")
-        for system in ("streamrft", "async", "eager", "trl"):
-            r = results.get(f"{size}_{system}")
-            if r is None:
+        lines.append(head)
+        for key, r in results.items():
+            if not key.startswith(f"{size}_") or not isinstance(r, dict):
                 continue
+            system = key[len(size) + 1:]
             if "error" in r:
-                lines.append(f"{size:5} {system:9} FAILED: {r['error'][-300:]}")
+                lines.append(f"{size:5} {system:22} FAILED: {r['error'][-300:]}")
                 continue
             lines.append(
-                f"{size:5} {system:9} {r['step_s']:7.2f} {r['rollout_s']:7.2f} {r['train_s']:7.2f} "
+                f"{size:5} {system:22} {r['step_s']:7.2f} {r['rollout_s']:7.2f} {r['train_s']:7.2f} "
                 f"{r['rollout_tok_s']:10.0f} {r['trained_tok_s']:11.0f} {r['peak_gib']:8.1f} "
-                f"{r['phase_switch_s']:8.3f} {r['weight_sync_s']:7.3f} {r['engine_only_s']:6.2f} "
-                f"{100 * (pf + dec) / r['engine_only_s']:6.1f} {100 * tf / (r['train_s'] * rate):7.1f} "
-                f"{100 * (tf + rf) / (r['step_s'] * rate):8.1f}")
-        a, b, c = results.get(f"{size}_streamrft", {}), results.get(f"{size}_trl", {}), results.get(f"{size}_async", {})
+                f"{r.get('peak_reserved_gib', 0.0):8.1f} {r['phase_switch_s']:8.3f} {r['weight_sync_s']:7.3f} "
+                f"{r['engine_only_s']:6.2f} {100 * (pf + dec) / r['engine_only_s']:6.1f} "
+                f"{100 * tf / (r['train_s'] * rate):7.1f} {100 * (tf + rf) / (r['step_s'] * rate):8.1f}")
+        first = next((r for k, r in results.items() if k.startswith(f"{size}_streamrft") and "step_s" in r), {})
+        a, b, c = first, results.get(f"{size}_trl", {}), results.get(f"{size}_async", {})
         if "step_s" in c and "step_s" in a:
             lines.append(f"{size:5} ratio     async/colocated step throughput {a['step_s'] / c['step_s']:.2f}x"
                          + (f", async/TRL {b['step_s'] / c['step_s']:.2f}x" if "step_s" in b else "")
                          + f"; both busy {c.get('both_busy', 0.0):.2f} of the wall time")
-        if "step_s" in a and "step_s" in b:
-            lines.append(f"{size:5} ratio     StreamRFT/TRL: step throughput {b['step_s'] / a['step_s']:.2f}x, "
-                         f"rollout tok/s {a['rollout_tok_s'] / b['rollout_tok_s']:.2f}x, "
-                         f"train time {b['train_s'] / a['train_s']:.2f}x faster")
+        for mine, theirs in ((a, b), (results.get(f"{size}_lora", {}), results.get(f"{size}_trl-lora", {}))):
+            if "step_s" in mine and "step_s" in theirs:
+                lines.append(f"{size:5} ratio     {mine['system']}/{theirs['system']}: step throughput "
+                             f"{theirs['step_s'] / mine['step_s']:.2f}x, rollout tok/s "
+                             f"{mine['rollout_tok_s'] / theirs['rollout_tok_s']:.2f}x, "
+                             f"train time {theirs['train_s'] / mine['train_s']:.2f}x faster")
+    variant_rows = [r for r in runs if r.get("variant")]
+    if variant_rows:
+        lines += ["", "memory options (--variants): steady medians; peak = allocated, resv = reserved by the allocator",
+                  variants_table(variant_rows)]
+    if any(r.get("first_step") for r in runs):
+        lines += ["", first_step_table(runs)]
     return "\n".join(lines)
 
 
+def tiny_size(size: str) -> str:
+    """--tiny: the tiny shape, through the 7B-only paths when 7B was asked for."""
+    return "tiny7b" if size == "7b" else "tiny"
+
+
 def main() -> None:
+    from bench_firststep import LAUNCH_ENV
+    from bench_variants import parse_variants, plan_jobs
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--sizes", default="0.5b,1.5b")
-    ap.add_argument("--systems", default="streamrft,trl,eager")
+    ap.add_argument("--systems", default="streamrft,trl,eager",
+                    help="streamrft, async, eager, trl; lora, trl-lora (LoRA of every linear, r=16); offload (full "
+                         "fine-tuning, AdamW state in host memory)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--workload", choices=("fixed", "longtail"), default="fixed")
+    ap.add_argument("--variants", default="",
+                    help='the streamrft system once per variant: "name:key=value,key=value;name2:..." (name alone: '
+                         "no overrides)")
+    ap.add_argument("--repeat-streamrft", type=int, default=1,
+                    help="run each StreamRFT run N times in a row (the compile caches of the first are kept "
+                         "under OUT/compile_cache: cold, then warm first step)")
     ap.add_argument("--worker", default="")
     ap.add_argument("--size", default="")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--variant", default="")
+    ap.add_argument("--overrides", default="[]", help="(worker) JSON list of key=value")
     ap.add_argument("--timeout", type=float, default=600)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    wl = workload(a.tiny, a.workload)
     if a.worker:
+        wl = workload(a.tiny, a.workload, a.size)
+        tag = a.tag or a.worker
         try:
-            if a.worker == "trl":
-                res = run_trl(a.size, wl, out, a.steps)
-            else:
+            if a.worker in TRL_KINDS:
+                res = run_trl(a.size, wl, out, a.steps, lora=a.worker == "trl-lora")
+            elif a.worker in STREAMRFT_KINDS:
                 res = run_streamrft(a.size, wl, out, a.steps if a.worker != "eager" else 2,
-                                    fast=a.worker != "eager", placement="async" if a.worker == "async" else "colocated")
+                                    fast=a.worker != "eager", placement="async" if a.worker == "async" else "colocated",
+                                    tag=tag, variant=a.variant,
+                                    overrides=SYSTEM_OVERRIDES.get(a.worker, []) + json.loads(a.overrides))
+            else:
+                raise ValueError(f"--worker {a.worker!r}: not one of {STREAMRFT_KINDS + TRL_KINDS}")
         except Exception as exc:  # noqa: BLE001 - reported in the table
             import traceback
 
-            res = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"}
+            res = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}", "system": tag,
+                   "size": a.size, "variant": a.variant, "overrides": json.loads(a.overrides)}
             traceback.print_exc()
-        (out / f"res_{a.size}_{a.worker}.json").write_text(json.dumps(res))
+        (out / f"res_{a.size}_{tag}.json").write_text(json.dumps(res))
         return
+
+    # everything that can be wrong in the flags is checked before any model is built
+    variants = parse_variants(a.variants) if a.variants else None
+    sizes = list(dict.fromkeys(tiny_size(s) for s in a.sizes.split(","))) if a.tiny else a.sizes.split(",")
+    unknown = [s for s in sizes if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--sizes: {unknown} not in {sorted(set(SHAPES) - {'tiny', 'tiny7b'})}")
+    systems = a.systems.split(",")
+    bad = [s for s in systems if s not in STREAMRFT_KINDS + TRL_KINDS]
+    if bad:
+        raise SystemExit(f"--systems: {bad} not in {STREAMRFT_KINDS + TRL_KINDS}")
+    if variants and "streamrft" not in systems:
+        raise SystemExit("--variants runs the streamrft system: add streamrft to --systems")
+    jobs = plan_jobs(sizes, systems, variants, a.repeat_streamrft)
+    wls = {size: workload(a.tiny, a.workload, size) for size in sizes}
+    shutil.rmtree(out / "compile_cache", ignore_errors=True)  # the call's first StreamRFT run compiles cold
 
     import torch
 
@@ -416,40 +540,42 @@ def main() -> None:
         ceilings = measure_ceilings_safe()
         print(f"ceilings: {ceilings}", flush=True)
     results: dict = {"_out": str(out), "ceilings": ceilings}
-    sizes = ["tiny"] if a.tiny else a.sizes.split(",")
-    systems = a.systems.split(",")
-    jobs = [(size, system) for size in sizes for system in systems if system != "eager"]
-    if "eager" in systems:
-        jobs.append((sizes[0], "eager"))  # the eager engine baseline at the first size only, last (slow)
     built: set[str] = set()
-    for size, system in jobs:
+    for job in jobs:
+        size, system, tag = job["size"], job["kind"], job["tag"]
         if size not in built:
             t0 = time.perf_counter()
-            build_model(size, wl, out, device)
+            build_model(size, wls[size], out, device)
             if device == "cuda":  # the workers need the whole device: give back what building the model cached
-                import torch
-
                 torch.cuda.empty_cache()
             built.add(size)
             print(f"[{size}] model built in {time.perf_counter() - t0:.1f} s", flush=True)
-        if True:
-            cmd = [sys.executable, __file__, "--out", str(out), "--worker", system, "--size", size,
-                   "--steps", str(a.steps), "--workload", a.workload] + (["--tiny"] if a.tiny else [])
-            t0 = time.perf_counter()
-            try:
-                env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") if system == "async" else os.environ.copy()
-                subprocess.run(cmd, timeout=a.timeout, check=False, env=env)
-                res_path = out / f"res_{size}_{system}.json"
-                res = json.loads(res_path.read_text()) if res_path.exists() else {"error": "no result file"}
-            except subprocess.TimeoutExpired:
-                res = {"error": f"timed out after {a.timeout} s"}
-            results[f"{size}_{system}"] = res
-            print(f"[{size}] {system} done in {time.perf_counter() - t0:.1f} s: "
-                  f"{ {k: v for k, v in res.items() if not isinstance(v, list)} }", flush=True)
-            (out / "results.json").write_text(json.dumps(results, indent=1))
-            print(report(results, ceilings, wl, sizes), flush=True)
+        cmd = [sys.executable, __file__, "--out", str(out), "--worker", system, "--size", size, "--tag", tag,
+               "--variant", job["variant"], "--overrides", json.dumps(job["overrides"]),
+               "--steps", str(a.steps), "--workload", a.workload] + (["--tiny"] if a.tiny else [])
+        t0 = time.perf_counter()
+        res_path = out / f"res_{size}_{tag}.json"
+        res_path.unlink(missing_ok=True)
+        try:
+            env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") if system == "async" else os.environ.copy()
+            env[LAUNCH_ENV] = repr(time.time())  # the worker's first-step breakdown starts here
+            subprocess.run(cmd, timeout=a.timeout, check=False, env=env)
+            res = json.loads(res_path.read_text()) if res_path.exists() else {"error": "no result file"}
+        except subprocess.TimeoutExpired:
+            res = {"error": f"timed out after {a.timeout} s"}
+        res.setdefault("system", tag)
+        res.setdefault("size", size)
+        res.setdefault("variant", job["variant"])
+        res.setdefault("overrides", job["overrides"])
+        results[f"{size}_{tag}"] = res
+        print(f"[{size}] {tag} done in {time.perf_counter() - t0:.1f} s: "
+              f"{ {k: v for k, v in res.items() if not isinstance(v, (list, dict))} }", flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        print(report(results, ceilings, wls, sizes), flush=True)
+    table = report(results, ceilings, wls, sizes)
+    (out / "table.txt").write_text(table + "\n")
     print("\n==== TABLE ====")
-    print(report(results, ceilings, wl, sizes))
+    print(table)
 
 
 def measure_ceilings_safe() -> dict:

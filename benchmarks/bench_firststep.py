@@ -1,0 +1,161 @@
+"""The first step of a StreamRFT benchmark run, taken apart (``gpu_grpo.py``'s first-step table, cold and warm).
+
+Why timestamps in the worker and not phase metrics: ``steps.jsonl`` starts at the first step's rollout; what
+comes before it (interpreter start, imports, model load, engine build) and what the first rollout and train
+step pay once (static-cache buffers and concatenated weights, CUDA-graph capture with the Triton decode
+kernels' compile, the LM head's torch.compile) are not in any metric. ``Stamps`` records wall-clock marks
+(``time.time()``, comparable with the parent's launch time) and per-call durations of wrapped functions;
+``breakdown`` turns them into seconds (pure: tested on made-up marks).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import statistics
+import time
+from collections import defaultdict
+from typing import Callable
+
+# The parent benchmark process puts its time.time() just before starting the worker here.
+LAUNCH_ENV = "STREAMRFT_BENCH_LAUNCH_T"
+
+
+class Stamps:
+    """Wall-clock marks (first occurrence wins) and per-call durations of wrapped callables."""
+
+    def __init__(self, sync: Callable[[], None] = lambda: None):
+        self.marks: dict[str, float] = {}
+        self.calls: dict[str, list[float]] = defaultdict(list)
+        self.sync = sync  # torch.cuda.synchronize on a GPU: a duration covers the kernels it queued
+
+    def mark(self, name: str, t: float | None = None) -> None:
+        self.marks.setdefault(name, time.time() if t is None else t)
+
+    def wrap(self, owner, attr: str, key: str, sync: bool = True) -> None:
+        """Replace ``owner.attr`` by a timed version (sync or async function, or method on a class)."""
+        fn = getattr(owner, attr)
+        stamps = self
+
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def timed_async(*a, **k):
+                if sync:
+                    stamps.sync()
+                stamps.mark(f"{key}_start")
+                t0 = time.perf_counter()
+                try:
+                    return await fn(*a, **k)
+                finally:
+                    if sync:
+                        stamps.sync()
+                    stamps.calls[key].append(time.perf_counter() - t0)
+                    stamps.mark(f"{key}_end")
+            setattr(owner, attr, timed_async)
+            return
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            if sync:
+                stamps.sync()
+            stamps.mark(f"{key}_start")
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if sync:
+                    stamps.sync()
+                stamps.calls[key].append(time.perf_counter() - t0)
+                stamps.mark(f"{key}_end")
+        setattr(owner, attr, timed)
+
+    def to_json(self) -> dict:
+        return {"marks": dict(self.marks), "calls": {k: list(v) for k, v in self.calls.items()}}
+
+
+def _first(calls: dict, key: str) -> float | None:
+    v = calls.get(key) or []
+    return v[0] if v else None
+
+
+def _steady(calls: dict, key: str) -> float | None:
+    v = calls.get(key) or []
+    return statistics.median(v[1:]) if len(v) > 1 else None
+
+
+def _span(marks: dict, a: str, b: str) -> float | None:
+    return marks[b] - marks[a] if a in marks and b in marks else None
+
+
+def breakdown(marks: dict, calls: dict, first_row: dict) -> dict:
+    """Seconds of each part of the first step (None where the run had no such part, e.g. no CUDA graphs).
+
+    ``marks``: ``launch`` (the parent's time before starting the worker), ``main`` (the worker module's first
+    line), ``imports_done``, and ``_start``/``_end`` of the wrapped keys; ``calls``: per-call durations of
+    ``build_run``, ``build_learner`` (model load: from_pretrained in fp32, shard, move to the device),
+    ``build_engine``, ``decoder_init`` (per chunk: concatenated q/k/v and gate/up weights, static KV cache),
+    ``prefill``, ``capture`` (CUDA-graph capture; its warm-up step compiles the Triton decode kernels),
+    ``rollout`` (waiting for the step's batch), ``train`` (the train step; the first compiles the LM head);
+    ``first_row``: the first line of steps.jsonl (phase metrics of the first step)."""
+    b = {
+        "process_start_s": _span(marks, "launch", "main"),  # interpreter start (fork/exec + site)
+        "imports_s": _span(marks, "main", "imports_done"),  # torch, transformers, streamrft
+        "config_s": _span(marks, "imports_done", "config_loaded"),
+        "dist_init_s": _span(marks, "config_loaded", "dist_ready"),  # the process group (one rank)
+        "validate_s": _span(marks, "dist_ready", "validated"),  # incl. importing the reward function
+        "build_run_s": _first(calls, "build_run"),
+        "model_load_s": _first(calls, "build_learner"),
+        "engine_build_s": _first(calls, "build_engine"),
+        "loop_start_s": _span(marks, "build_run_end", "rollout_start"),  # train_loop's own set-up
+        "first_rollout_s": _first(calls, "rollout"),
+        "steady_rollout_s": _steady(calls, "rollout"),
+        "decoder_init_first_s": _first(calls, "decoder_init"),
+        "decoder_init_steady_s": _steady(calls, "decoder_init"),
+        "prefill_first_s": _first(calls, "prefill"),
+        "prefill_steady_s": _steady(calls, "prefill"),
+        "capture_first_s": _first(calls, "capture"),
+        "capture_steady_s": _steady(calls, "capture"),
+        "first_train_s": _first(calls, "train"),
+        "steady_train_s": _steady(calls, "train"),
+        "first_weight_sync_s": first_row.get("phase/weight_push_seconds"),
+        "first_train_to_rollout_s": first_row.get("phase/train_to_rollout_seconds"),
+        "first_rollout_to_train_s": first_row.get("phase/rollout_to_train_seconds"),
+        "first_step_s": first_row.get("step_seconds"),
+        "launch_to_first_step_s": _span(marks, "launch", "train_end"),
+    }
+    if b["build_run_s"] is not None:
+        b["build_other_s"] = b["build_run_s"] - (b["model_load_s"] or 0.0) - (b["engine_build_s"] or 0.0)
+    else:
+        b["build_other_s"] = None
+    for part in ("rollout", "train"):  # what the first one pays once, over a steady one
+        f, s = b[f"first_{part}_s"], b[f"steady_{part}_s"]
+        b[f"first_{part}_extra_s"] = f - s if f is not None and s is not None else None
+    return b
+
+
+# (column, key) of the first-step table, in the order the parts happen
+COLUMNS = [
+    ("start", "process_start_s"), ("imports", "imports_s"), ("validate", "validate_s"), ("model", "model_load_s"),
+    ("engine", "engine_build_s"), ("build+", "build_other_s"), ("loop", "loop_start_s"),
+    ("roll1", "first_rollout_s"), ("rollN", "steady_rollout_s"), ("dec_init1", "decoder_init_first_s"),
+    ("capture1", "capture_first_s"), ("captureN", "capture_steady_s"), ("train1", "first_train_s"),
+    ("trainN", "steady_train_s"), ("wsync1", "first_weight_sync_s"), ("step1", "first_step_s"),
+    ("to_step1", "launch_to_first_step_s"),
+]
+
+
+def first_step_table(rows: list[dict]) -> str:
+    """One line per StreamRFT run (``first_step`` and ``cache`` from the worker's result): seconds per part."""
+    lines = ["first step, seconds (validate: the config check, which imports the learner's modules; roll1/train1: "
+             "the first rollout and train step; N: steady median; capture: CUDA-graph capture + Triton decode "
+             "compile; to_step1: launch to the end of the first train step)",
+             f"{'size':5} {'run':22} {'cache':5} " + " ".join(f"{c:>9}" for c, _ in COLUMNS) + "  inductor hit/miss"]
+    for r in rows:
+        fs = r.get("first_step")
+        if not fs:
+            continue
+        cells = " ".join(f"{'-':>9}" if fs.get(k) is None else f"{fs[k]:9.2f}" for _, k in COLUMNS)
+        ind = r.get("inductor_cache", {})
+        lines.append(f"{r['size']:5} {r['system']:22} {r.get('cache', '?'):5} {cells}  "
+                     f"{ind.get('fxgraph_cache_hit', 0)}/{ind.get('fxgraph_cache_miss', 0)}")
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""benchmarks/bench_firststep.py: the first step's parts are the differences of the marks and the first/steady
+calls recorded (checked on made-up numbers), and Stamps times sync and async functions, methods and
+constructors without changing what they return."""
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_firststep import COLUMNS, Stamps, breakdown, first_step_table  # noqa: E402
+
+
+def test_breakdown_from_marks_and_calls():
+    marks = {"launch": 100.0, "main": 100.25, "imports_done": 106.0, "config_loaded": 106.5, "dist_ready": 107.0,
+             "validated": 110.0, "build_run_end": 150.0, "rollout_start": 151.5, "train_end": 200.0}
+    calls = {"build_run": [40.0], "build_learner": [30.0], "build_engine": [2.0], "rollout": [20.0, 5.0, 7.0],
+             "decoder_init": [1.5, 0.5, 0.25], "capture": [12.0, 0.75, 0.5], "train": [25.0, 10.0, 12.0, 14.0]}
+    row = {"phase/weight_push_seconds": 0.125, "step_seconds": 46.0, "phase/train_to_rollout_seconds": 0.5,
+           "phase/rollout_to_train_seconds": 0.25}
+    b = breakdown(marks, calls, row)
+    assert b["process_start_s"] == pytest.approx(0.25)
+    assert b["imports_s"] == pytest.approx(5.75)
+    assert b["config_s"] == pytest.approx(0.5) and b["dist_init_s"] == pytest.approx(0.5)
+    assert b["validate_s"] == pytest.approx(3.0)
+    assert b["model_load_s"] == 30.0 and b["engine_build_s"] == 2.0 and b["build_other_s"] == pytest.approx(8.0)
+    assert b["loop_start_s"] == pytest.approx(1.5)
+    assert b["first_rollout_s"] == 20.0 and b["steady_rollout_s"] == 6.0 and b["first_rollout_extra_s"] == 14.0
+    assert b["decoder_init_first_s"] == 1.5 and b["decoder_init_steady_s"] == pytest.approx(0.375)
+    assert b["capture_first_s"] == 12.0 and b["capture_steady_s"] == pytest.approx(0.625)
+    assert b["first_train_s"] == 25.0 and b["steady_train_s"] == 12.0 and b["first_train_extra_s"] == 13.0
+    assert b["first_weight_sync_s"] == 0.125 and b["first_step_s"] == 46.0
+    assert b["launch_to_first_step_s"] == pytest.approx(100.0)
+    # a run without CUDA graphs or a launch mark: those parts are None, not 0
+    b2 = breakdown({"main": 1.0, "imports_done": 2.0}, {"train": [3.0]}, {})
+    assert b2["capture_first_s"] is None and b2["process_start_s"] is None and b2["steady_train_s"] is None
+    assert b2["first_train_extra_s"] is None and b2["build_other_s"] is None
+    table = first_step_table([{"size": "0.5b", "system": "streamrft", "cache": "cold", "first_step": b,
+                               "inductor_cache": {"fxgraph_cache_miss": 3}}])
+    row_cells = table.splitlines()[2].split()
+    assert row_cells[:3] == ["0.5b", "streamrft", "cold"] and row_cells[-1] == "0/3"
+    assert row_cells[3:3 + len(COLUMNS)][3] == "30.00"  # model column
+
+
+def test_stamps_time_functions_methods_and_constructors():
+    synced = []
+    st = Stamps(sync=lambda: synced.append(1))
+
+    class Box:
+        def __init__(self, v):
+            time.sleep(0.02)
+            self.v = v
+
+        async def get(self):
+            await asyncio.sleep(0.02)
+            return self.v
+
+    st.wrap(Box, "__init__", "init")
+    box = Box(7)
+    st.wrap(box, "get", "get")
+    assert box.v == 7 and asyncio.run(box.get()) == 7 and asyncio.run(box.get()) == 7
+    assert len(st.calls["init"]) == 1 and st.calls["init"][0] >= 0.02
+    assert len(st.calls["get"]) == 2 and min(st.calls["get"]) >= 0.02
+    assert len(synced) == 6  # before and after each of the three calls
+    assert st.marks["get_start"] <= st.marks["get_end"]  # the first call's marks are kept
+    first_end = st.marks["get_end"]
+    asyncio.run(box.get())
+    assert st.marks["get_end"] == first_end
+
+    def boom():
+        raise KeyError("x")
+
+    holder = type("H", (), {"f": staticmethod(boom)})
+    st.wrap(holder, "f", "boom", sync=False)
+    with pytest.raises(KeyError):
+        holder.f()
+    assert len(st.calls["boom"]) == 1  # a failed call is still timed
