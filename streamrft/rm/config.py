@@ -42,7 +42,7 @@ class RMTrainSection(Section):
     loss: Literal["bradley_terry", "log_exp", "hps"] = "bradley_terry"  # SRM pair loss (streamrft.rm.losses)
     temperature: float = 1.0  # hps loss temperature (> 0)
     grad_clip: float = 1.0  # SRM: max global grad norm; 0 = off
-    lm_coef: float = 0.0  # SRM: weight of an auxiliary next-token loss on the chosen responses (tied-embedding backbones)
+    lm_coef: float = 0.0  # SRM: weight of an auxiliary next-token loss on the chosen responses (text: tied-embedding backbones)
     log_every: int = 50  # steps between log lines / train.jsonl records
 
 
@@ -90,8 +90,8 @@ def check_media_backbone(model_dir: str, data) -> None:
 
 
 def check_tied_lm_head(model_dir: str, lm_coef: float) -> None:
-    """ConfigError when ``train.lm_coef > 0`` but the backbone's LM head is not tied to its input embedding:
-    the SRM keeps no LM head of its own, so the auxiliary loss reads logits through the embedding
+    """ConfigError when ``train.lm_coef > 0`` but a text backbone's LM head is not tied to its input embedding:
+    a text SRM keeps no LM head of its own, so the auxiliary loss reads logits through the embedding
     (ScalarRewardModel.lm_logits); checked on config.json, before any weights load."""
     from transformers import AutoConfig
 
@@ -149,8 +149,8 @@ def validate_rm_config(cfg: RMTrainConfig, check_paths: bool = True) -> None:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         check_media_backbone(model_dir, d)
-        if t.lm_coef > 0:
-            check_tied_lm_head(model_dir, t.lm_coef)
+        if t.lm_coef > 0 and not any(getattr(d, k) for k in ("image_field", "video_field", "audio_field")):
+            check_tied_lm_head(model_dir, t.lm_coef)  # a media RM keeps its backbone's own LM head
         for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
             if value and not Path(value).is_file():
                 raise ConfigError(f"{key}={value} does not exist (relative to {Path.cwd()})")

@@ -193,8 +193,13 @@ class ScalarRewardModel(torch.nn.Module):
         return self.rewards_and_states(input_ids, attention_mask, **media)[0]
 
     def lm_logits(self, last_BLD: torch.Tensor) -> torch.Tensor:
-        """Next-token logits (B, L, V) from the backbone's final (normed) states through the tied
-        input embedding (the LM head the backbone was trained with); ValueError when it is not tied."""
+        """Next-token logits (B, L, V) from the backbone's final (normed) states: through its own LM head for a
+        media backbone (the whole ``...ForConditionalGeneration`` is kept; Qwen2-Audio's head is not tied),
+        else through the tied input embedding (a text backbone is loaded without its LM head); ValueError
+        when a text backbone's head is not tied."""
+        head = self.backbone.get_output_embeddings() if self.media else None
+        if head is not None:
+            return head(last_BLD)
         if not getattr(self.backbone.config, "tie_word_embeddings", False):
             raise ValueError("the backbone's LM head is not tied to its input embedding, so the RM keeps no LM "
                              "head: set train.lm_coef=0")

@@ -217,3 +217,32 @@ def test_rl_validation_takes_an_audio_rm_for_audio_prompts_only(audio_rm):
             with pytest.raises(ConfigError) as e:
                 validate_reward_paths(cfg)
             assert str(e.value) == message
+
+
+def test_the_chosen_lm_loss_of_an_audio_srm_uses_its_own_untied_lm_head_after_the_expanded_placeholders(audio_rm):
+    """train.lm_coef on Qwen2-Audio (whose LM head is not tied to its embedding): the LM term equals each
+    chosen row alone through the model's own logits, with the processor's prompt-only length as the prompt."""
+    from streamrft.models.multimodal import forward_kwargs
+    from streamrft.rm.data import read_preference_pairs
+    from streamrft.rm.train import pair_batch_loss
+
+    _, rm, pairs_path = audio_rm
+    assert rm.backbone.get_output_embeddings().weight.data_ptr() != rm.backbone.get_input_embeddings().weight.data_ptr()
+    pairs = read_preference_pairs(pairs_path, AUDIO)
+    pairs[0].chosen += "ee"  # rows of different lengths: left padding
+    rm.eval()
+    codec, eos = rm.media_inputs.codec, rm.tokenizer.eos_token
+    nll, n_tokens = 0.0, 0
+    with torch.no_grad():
+        for p in pairs:
+            prompt_len = codec.inputs(p.prompt, p.media, "t")["input_ids"].shape[1]
+            assert prompt_len > len(p.prompt) + 2  # the audio placeholder expanded to one token per encoder frame
+            row = codec.inputs(p.prompt + p.chosen + eos, p.media, "t")
+            ids = row["input_ids"][0]
+            logp = torch.log_softmax(rm.backbone(**forward_kwargs(rm.backbone, row), use_cache=False).logits[0], -1)
+            nll -= sum(logp[t - 1, ids[t]].item() for t in range(prompt_len, len(ids)))
+            n_tokens += len(ids) - prompt_len
+        assert n_tokens == sum(len(p.chosen) + 1 for p in pairs)
+        pair_only = pair_batch_loss(rm, pairs, "bradley_terry", 1.0, 0.0)[0].item()
+        with_lm = pair_batch_loss(rm, pairs, "bradley_terry", 1.0, 2.0)[0].item()
+    assert with_lm - pair_only == pytest.approx(2.0 * nll / n_tokens, rel=1e-5)
