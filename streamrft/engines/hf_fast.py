@@ -284,7 +284,11 @@ class StaticDecoder:
         for t, s in zip(self._state(), saved):
             t.copy_(s)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: only this thread's unsafe CUDA calls are refused during the capture. The default
+        # (global) mode also refuses other threads' calls, and a background checkpoint write or weight
+        # publish running beside the rollout then failed with "operation not permitted when stream is
+        # capturing" (seen on the H200 with checkpoint.save_every=1 and async saves).
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self._decode_step()
         for t, s in zip(self._state(), saved):  # capture ran the step once more: undo it
             t.copy_(s)
