@@ -45,38 +45,49 @@ import torch.nn.functional as F
 _FILL = torch.finfo(torch.float32).min  # the banned ids' scaled logit, as logprobs.py's checkpoint kernel
 
 
-def _scaled_logits(z_raw_NV: torch.Tensor, inv_temperature: float, banned_ids: torch.Tensor | None) -> torch.Tensor:
-    """float32 z / T with banned ids filled; a new tensor (``.float()`` of a float32 input is the input itself,
-    so copy before the in-place ops the callers do on it)."""
-    z_NV = z_raw_NV.float() * inv_temperature
+def _scaled_logits(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, inv_temperature: float,
+                   banned_ids: torch.Tensor | None) -> torch.Tensor:
+    """float32 z = (h W^T + b) / T with banned ids filled. The head matmul is done here, not by the caller, so
+    that its output is owned by this frame and the scaling can run in place (``.float()`` of a float32
+    tensor is the tensor itself): one float32 (chunk, V) block, not two."""
+    z_raw = F.linear(h_nH, weight_VH, bias_V)
+    z_NV = z_raw.float()
+    del z_raw  # a bf16 output is dropped once cast
+    z_NV.mul_(inv_temperature)
     if banned_ids is not None:
         z_NV.index_fill_(-1, banned_ids, _FILL)
     return z_NV
 
 
-def chunk_stats(z_raw_NV: torch.Tensor, target_N: torch.Tensor, inv_temperature: float,
-                banned_ids: torch.Tensor | None, with_entropy: bool):
-    """(logp_N, lse_N, entropy_N | None) from one chunk's raw head output (pure elementwise + reductions)."""
-    z_NV = _scaled_logits(z_raw_NV, inv_temperature, banned_ids)
-    lse_N = torch.logsumexp(z_NV, dim=-1)
-    logp_N = z_NV.gather(-1, target_N.unsqueeze(-1)).squeeze(-1) - lse_N
+def _log_softmax_(z_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p, lse) with log p computed in place as (z - max) - log sum exp(z - max): the arithmetic of
+    ``torch.log_softmax`` (so values agree with the checkpoint kernel to ~1 ulp), at one extra block."""
+    max_N1 = z_NV.amax(dim=-1, keepdim=True)
+    logp_NV = z_NV.sub_(max_N1)
+    logsum_N1 = logp_NV.exp().sum(-1, keepdim=True).log_()
+    logp_NV.sub_(logsum_N1)
+    return logp_NV, (max_N1 + logsum_N1).squeeze(-1)
+
+
+def chunk_stats(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, target_N: torch.Tensor,
+                inv_temperature: float, banned_ids: torch.Tensor | None, with_entropy: bool):
+    """(logp_N, lse_N, entropy_N | None) of one chunk of rows. Eagerly at most two float32 (chunk, V) blocks."""
+    logp_NV, lse_N = _log_softmax_(_scaled_logits(h_nH, weight_VH, bias_V, inv_temperature, banned_ids))
+    logp_N = logp_NV.gather(-1, target_N.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp_N, lse_N, None
-    # log_softmax rather than z - lse: the same rounding as the checkpoint kernel's entropy (they agree to
-    # ~1 float32 ulp of H instead of a few); compiled, it shares the max / sum passes with the logsumexp
-    logp_NV = torch.log_softmax(z_NV, dim=-1)
-    del z_NV
     # banned ids: p = 0 and log p = fill - lse is finite, so their term is exactly 0
     entropy_N = -(logp_NV.exp().mul_(logp_NV)).sum(-1)
     return logp_N, lse_N, entropy_N
 
 
-def chunk_grad_logits(z_raw_NV: torch.Tensor, target_N: torch.Tensor, lse_N: torch.Tensor,
-                      entropy_N: torch.Tensor | None, g_logp_N: torch.Tensor | None, g_entropy_N: torch.Tensor | None,
-                      inv_temperature: float, banned_ids: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """dZ (the gradient of the raw head output, module docstring) in ``out_dtype``. In-place ops keep the
-    eager peak at about two float32 (chunk, V) blocks (log p, then p which becomes dZ)."""
-    logp_NV = _scaled_logits(z_raw_NV, inv_temperature, banned_ids).sub_(lse_N.unsqueeze(-1))
+def chunk_grad_logits(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, target_N: torch.Tensor,
+                      lse_N: torch.Tensor, entropy_N: torch.Tensor | None, g_logp_N: torch.Tensor | None,
+                      g_entropy_N: torch.Tensor | None, inv_temperature: float, banned_ids: torch.Tensor | None,
+                      ) -> torch.Tensor:
+    """dZ (the gradient of the raw head output, module docstring) of one chunk, in the weight's dtype.
+    In-place ops keep the eager peak at two float32 (chunk, V) blocks (log p, then p which becomes dZ)."""
+    logp_NV = _scaled_logits(h_nH, weight_VH, bias_V, inv_temperature, banned_ids).sub_(lse_N.unsqueeze(-1))
     p_NV = logp_NV.exp()
     if g_logp_N is None:
         g_logp_N = torch.zeros_like(lse_N)
@@ -90,7 +101,7 @@ def chunk_grad_logits(z_raw_NV: torch.Tensor, target_N: torch.Tensor, lse_N: tor
     dz_NV.scatter_add_(-1, target_N.unsqueeze(-1), g_logp_N.unsqueeze(-1).to(dz_NV.dtype))  # + g_logp [j = y]
     if banned_ids is not None:  # a constant fill has no gradient, target or not
         dz_NV.index_fill_(-1, banned_ids, 0.0)
-    return dz_NV.mul_(inv_temperature).to(out_dtype)
+    return dz_NV.mul_(inv_temperature).to(weight_VH.dtype)
 
 
 # compile-or-eager with one warning, as logprobs.py's checkpoint kernel does for train.compile_head
@@ -135,9 +146,8 @@ class FusedHeadLogprob(torch.autograd.Function):
         lse_N = h_NH.new_empty(N, dtype=torch.float32)
         entropy_N = h_NH.new_zeros(N, dtype=torch.float32)
         for s in range(0, N, chunk_size):
-            z_raw = F.linear(h_NH[s:s + chunk_size], weight_VH, bias_V)
-            logp_n, lse_n, ent_n = stats(z_raw, target_N[s:s + chunk_size], inv_temperature, banned_ids, with_entropy)
-            del z_raw
+            logp_n, lse_n, ent_n = stats(h_NH[s:s + chunk_size], weight_VH, bias_V, target_N[s:s + chunk_size],
+                                         inv_temperature, banned_ids, with_entropy)
             logp_N[s:s + chunk_size] = logp_n
             lse_N[s:s + chunk_size] = lse_n
             if with_entropy:
@@ -165,12 +175,10 @@ class FusedHeadLogprob(torch.autograd.Function):
         c = ctx.chunk_size
         for s in range(0, h_NH.shape[0], c):
             h_nH = h_NH[s:s + c]
-            z_raw = F.linear(h_nH, weight_VH, bias_V)
-            dz_nV = grad(z_raw, target_N[s:s + c], lse_N[s:s + c], entropy_N[s:s + c] if g_entropy_N is not None else None,
+            dz_nV = grad(h_nH, weight_VH, bias_V, target_N[s:s + c], lse_N[s:s + c],
+                         None if g_entropy_N is None else entropy_N[s:s + c],
                          None if g_logp_N is None else g_logp_N[s:s + c],
-                         None if g_entropy_N is None else g_entropy_N[s:s + c],
-                         ctx.inv_temperature, banned_ids, weight_VH.dtype)
-            del z_raw
+                         None if g_entropy_N is None else g_entropy_N[s:s + c], ctx.inv_temperature, banned_ids)
             if need_h:
                 torch.mm(dz_nV, weight_VH, out=dh_NH[s:s + c])
             if need_w:

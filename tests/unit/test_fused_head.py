@@ -229,12 +229,12 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
     monkeypatch.setattr(fused_head, "_compiled", {"stats": broken, "grad": broken})
     monkeypatch.setattr(fused_head, "_compile_failed", False)
     fn = fused_head._elementwise("stats", torch.device("cuda"), compile_head=True)  # a device object; no GPU needed
-    z, t = torch.randn(5, 30), torch.randint(0, 30, (5,))
+    h, w, t = torch.randn(5, 8), torch.randn(30, 8), torch.randint(0, 30, (5,))
     with pytest.warns(UserWarning, match="train.compile_head: torch.compile failed"):
-        got = fn(z, t, 1.0, None, True)
-    again = fn(z, t, 1.0, None, True)
+        got = fn(h, w, None, t, 1.0, None, True)
+    again = fn(h, w, None, t, 1.0, None, True)
     assert fused_head._elementwise("grad", torch.device("cuda"), True) is fused_head.chunk_grad_logits
-    ref = fused_head.chunk_stats(z, t, 1.0, None, True)
+    ref = fused_head.chunk_stats(h, w, None, t, 1.0, None, True)
     assert len(calls) == 1
     for a, b, c in zip(got, again, ref):
         torch.testing.assert_close(a, c)
