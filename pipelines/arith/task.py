@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
-import os
 import random
 from typing import Sequence
+
+from pipelines.common import write_jsonl
 
 ARITH_ALPHABET = "0123456789+-*= "
 LABEL = "arith"
@@ -81,17 +81,7 @@ def make_rows(n: int, seed: int, split: str = "train", min_operand: int = 0, max
 def write_dataset(path: str, n: int, seed: int, split: str = "train", min_operand: int = 0,
                   max_operand: int = 99, ops: str = "+", eval_fraction: float = 0.1) -> str:
     """Write ``make_rows(...)`` as jsonl to ``path``; returns ``path``. Deterministic given the arguments."""
-    rows = make_rows(n, seed, split, min_operand, max_operand, ops, eval_fraction)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return path
-
-
-def read_rows(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return write_jsonl(path, make_rows(n, seed, split, min_operand, max_operand, ops, eval_fraction))
 
 
 def is_correct(response: str, reference: str) -> bool:

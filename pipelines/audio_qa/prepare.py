@@ -26,15 +26,10 @@ import numpy as np
 import torch
 
 from streamrft.models.audio import build_tiny_qwen2_audio
-from streamrft.models.multimodal import (
-    build_model_inputs,
-    collate_prompts,
-    forward_kwargs,
-    load_multimodal_policy,
-    response_logprobs_batch,
-)
+from streamrft.models.multimodal import collate_prompts, forward_kwargs, load_multimodal_policy, response_logprobs_batch
 
 from pipelines.audio_qa.task import ALPHABET, PROMPT, make_examples, write_split
+from pipelines.common import media_prompt_inputs
 
 
 def main() -> None:
@@ -65,8 +60,7 @@ def prepare(out: str, sft_steps: int = 30, batch_size: int = 16, lr: float = 1e-
     loss = torch.zeros(())
     for step in range(sft_steps):
         examples = make_examples(batch_size, seed=1000 + step)
-        batch = collate_prompts([build_model_inputs(processor, PROMPT, {"audios": [w]}) for w, _ in examples],
-                                tok.pad_token_id)
+        batch = collate_prompts(media_prompt_inputs(processor, PROMPT, "audios", examples), tok.pad_token_id)
         (logp_a, _), (logp_b, _) = (response_logprobs_batch(model, batch, [letter_ids[x]] * len(examples)) for x in "ab")
         loss = -torch.logsumexp(torch.stack([logp_a[:, 0], logp_b[:, 0]]), dim=0).mean()  # -log(P(a) + P(b))
         opt.zero_grad()
@@ -86,8 +80,7 @@ def prepare(out: str, sft_steps: int = 30, batch_size: int = 16, lr: float = 1e-
 def first_letter_accuracy(model, processor, examples) -> float:
     """Greedy accuracy of the first response token (a vs b), one batched forward."""
     tok = processor.tokenizer
-    batch = collate_prompts([build_model_inputs(processor, PROMPT, {"audios": [w]}) for w, _ in examples],
-                            tok.pad_token_id)
+    batch = collate_prompts(media_prompt_inputs(processor, PROMPT, "audios", examples), tok.pad_token_id)
     logits_BV = model(**forward_kwargs(model, batch), use_cache=False).logits[:, -1]
     ids = torch.tensor([tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b")])
     pred = ["ab"[i] for i in logits_BV[:, ids].argmax(-1).tolist()]

@@ -13,10 +13,9 @@ steps; see prepare.py for how the warm-up leaves that skill to RL.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
+
+from pipelines.common import write_media_split
 
 ALPHABET = "ab ?highorlw"
 PROMPT = "high or low? a or b"
@@ -50,12 +49,5 @@ def write_split(out_dir: str, name: str, n: int, seed: int) -> str:
     {"prompt", "reference", "audio": <wav path>} to out_dir/<name>.jsonl; returns the jsonl path."""
     import soundfile as sf
 
-    audio_dir = Path(out_dir) / "audio" / name
-    audio_dir.mkdir(parents=True, exist_ok=True)
-    path = Path(out_dir) / f"{name}.jsonl"
-    with path.open("w") as f:
-        for i, (wave, answer) in enumerate(make_examples(n, seed)):
-            file = audio_dir / f"{i:05d}.wav"
-            sf.write(file, wave, RATE, subtype="FLOAT")
-            f.write(json.dumps({"prompt": PROMPT, "reference": answer, "audio": str(file.resolve())}) + "\n")
-    return str(path)
+    return write_media_split(out_dir, name, make_examples(n, seed), PROMPT, field="audio", folder="audio",
+                             suffix=".wav", save=lambda wave, file: sf.write(file, wave, RATE, subtype="FLOAT"))

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from pipelines.calculator.evaluate import heldout_with_tools  # noqa: E402
 from pipelines.calculator.prepare import prepare  # noqa: E402
-from pipelines.calculator.task import read_rows  # noqa: E402
+from streamrft.data import read_rows  # noqa: E402
 from streamrft.config import ConfigError, load_config  # noqa: E402
 
 

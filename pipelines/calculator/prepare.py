@@ -35,8 +35,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
-from pipelines.calculator.task import (direct_trace, make_rows, read_rows, tool_trace,  # noqa: E402
-                                       trace_ids, write_rows)
+from pipelines.calculator.task import direct_trace, make_rows, tool_trace, trace_ids  # noqa: E402
+from pipelines.common import write_jsonl  # noqa: E402
+from streamrft.data import read_rows  # noqa: E402
 from streamrft.learner.sft import IGNORE, answer_loss  # noqa: E402
 
 log = logging.getLogger("calculator.prepare")
@@ -123,16 +124,16 @@ def prepare(out_dir: str, seed: int = 0, warmup_steps: int = WARMUP["steps"], n_
     if not _has_model(base_dir):
         build_tiny_qwen2(base_dir, build_tokenizer(base_dir), seed=seed, **MODEL)
     if not os.path.isfile(paths["train_path"]):
-        write_rows(paths["train_path"], make_rows(n_train, seed, "train"))
+        write_jsonl(paths["train_path"], make_rows(n_train, seed, "train"))
     if not os.path.isfile(paths["eval_path"]):
-        write_rows(paths["eval_path"], make_rows(n_eval, seed, "eval"))
+        write_jsonl(paths["eval_path"], make_rows(n_eval, seed, "eval"))
     if _has_model(sft_dir):
         return paths
 
     # the warm-up episodes come from the end of the training rows, RL prompts from its start
     train_rows = read_rows(paths["train_path"])
     traces = make_traces(train_rows[::-1], n_traces, tool_fraction, seed)
-    write_rows(paths["traces_path"], [{"messages": t} for t in traces])
+    write_jsonl(paths["traces_path"], [{"messages": t} for t in traces])
     torch.manual_seed(seed)
     model, tokenizer = load_policy(base_dir)
     start = time.perf_counter()

@@ -17,8 +17,6 @@ answer follows ``####`` (``reward`` reads only what follows the last one).
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import string
 from typing import Sequence
@@ -112,19 +110,6 @@ def make_rows(n: int, seed: int, split: str, eval_fraction: float = 0.1) -> list
         seen.add(expr)
         rows.append({"prompt": [{"role": "user", "content": expr}], "reference": answer, "label": LABEL})
     return rows
-
-
-def write_rows(path: str, rows: list[dict]) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return path
-
-
-def read_rows(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def expression_of(row: dict) -> str:

@@ -18,9 +18,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipelines.arith.prepare import TASK  # noqa: E402
+from pipelines.common import write_jsonl  # noqa: E402
 from pipelines.grm.task import GRM_ALPHABET, make_judgments  # noqa: E402
 from pipelines.srm.prepare import build_backbone  # noqa: E402
-from pipelines.srm.task import write_jsonl  # noqa: E402
 
 
 def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 1400, n_train: int = 8000, n_eval: int = 300) -> dict:

@@ -18,7 +18,8 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from pipelines.arith.task import ARITH_ALPHABET, greedy_accuracy, read_rows, write_dataset  # noqa: E402
+from pipelines.arith.task import ARITH_ALPHABET, greedy_accuracy, write_dataset  # noqa: E402
+from streamrft.data import read_rows  # noqa: E402
 from streamrft.learner.sft import supervised_warmup  # noqa: E402
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy  # noqa: E402
 

@@ -25,7 +25,8 @@ import torch  # noqa: E402
 
 from pipelines.arith.prepare import MODEL, TASK, WARMUP  # noqa: E402
 from pipelines.arith.task import ARITH_ALPHABET, make_rows  # noqa: E402
-from pipelines.srm.task import make_pairs, write_jsonl  # noqa: E402
+from pipelines.common import write_jsonl  # noqa: E402
+from pipelines.srm.task import make_pairs  # noqa: E402
 from streamrft.learner.sft import supervised_warmup  # noqa: E402
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy  # noqa: E402
 

@@ -45,7 +45,8 @@ def main(argv: list[str]) -> int:
     config = str(HERE / "rl.yaml")
     prepare_from_config(config, argv)
     cfg = load_config(config, ["checkpoint.resume=false", *argv])
-    from pipelines.arith.task import greedy_accuracy, read_rows
+    from pipelines.arith.task import greedy_accuracy
+    from streamrft.data import read_rows
     from streamrft.config import validate_config
     from streamrft.runtime.distributed import destroy_distributed, init_distributed
     from streamrft.compose import build_run

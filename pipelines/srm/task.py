@@ -9,8 +9,6 @@ pairs are about held-out problems.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 
 from pipelines.arith.task import all_problems
@@ -52,11 +50,3 @@ def make_pairs(split: str, n: int, seed: int, pairs_per_problem: int = 1, hard_f
             if len(rows) == n:
                 return rows
     return rows
-
-
-def write_jsonl(path: str, rows: list[dict]) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return path

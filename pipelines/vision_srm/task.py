@@ -13,11 +13,12 @@ Rows carry their media by path (``image`` / ``audio`` fields), as the RM config'
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import numpy as np
+
+from pipelines.common import write_jsonl
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 50, 220), "yellow": (230, 220, 40)}
 # pitch class -> frequency (Hz): C4, G5, E6, B6; a few octaves apart, so each tone has mel bins of its own
@@ -84,7 +85,7 @@ def write_media_pairs(out_dir: str | Path, name: str, n: int, seed: int, kind: s
             prompt = AUDIO_PROMPT
         rejected = rng.choice([c for c in names if c != answer])
         rows.append({"prompt": prompt, "chosen": answer, "rejected": rejected, kind: str(path.resolve())})
-    return _write_jsonl(out / f"{name}.jsonl", rows)
+    return write_jsonl(out / f"{name}.jsonl", rows)
 
 
 def write_image_judgments(out_dir: str | Path, name: str, n: int, seed: int, pointwise: bool = False) -> str:
@@ -108,11 +109,4 @@ def write_image_judgments(out_dir: str | Path, name: str, n: int, seed: int, poi
             continue
         rows.append({"prompt": IMAGE_PROMPT, "responses": [answer, wrong] if first else [wrong, answer],
                      "judgment": "[[A]]" if first else "[[B]]", "image": str(path.resolve())})
-    return _write_jsonl(out / f"{name}.jsonl", rows)
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> str:
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return str(path)
+    return write_jsonl(out / f"{name}.jsonl", rows)

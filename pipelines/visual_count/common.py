@@ -9,13 +9,12 @@ import torch
 from streamrft.config.engine import EngineConfig
 from streamrft.engines.base import GenerationRequest
 from streamrft.engines.hf import HFEngine
-from streamrft.models.multimodal import build_model_inputs
-
+from pipelines.common import media_prompt_inputs
 from pipelines.visual_count.task import PROMPT, reward
 
 
 def prompt_inputs(processor, examples) -> list[dict]:
-    return [build_model_inputs(processor, PROMPT, {"images": [img]}) for img, _ in examples]
+    return media_prompt_inputs(processor, PROMPT, "images", examples)
 
 
 def generate(engine: HFEngine, inputs: list[dict], n: int, seed: int):

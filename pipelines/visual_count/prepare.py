@@ -12,9 +12,10 @@ import time
 
 import torch
 
-from streamrft.models.multimodal import collate_prompts, load_multimodal_policy, response_logprobs_batch
+from streamrft.models.multimodal import load_multimodal_policy
 from streamrft.models.vl import build_tiny_qwen2_vl
 
+from pipelines.common import answer_warmup
 from pipelines.visual_count.common import accuracy, prompt_inputs
 from pipelines.visual_count.task import ALPHABET, make_examples, write_split
 
@@ -39,17 +40,12 @@ def prepare(out: str, sft_steps: int = 250, batch_size: int = 32, lr: float = 3e
     t0 = time.time()
     build_tiny_qwen2_vl(f"{args.out}/base", ALPHABET, hidden_size=32, num_layers=1)
     model, processor, _ = load_multimodal_policy(f"{args.out}/base")
-    tok = processor.tokenizer
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    for step in range(args.sft_steps):
+
+    def batch(step: int) -> tuple[list[dict], list[str]]:
         examples = make_examples(args.batch, seed=1000 + step)
-        batch = collate_prompts(prompt_inputs(processor, examples), tok.pad_token_id)
-        targets = [tok(ans, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, ans in examples]
-        logp_BT, mask_BT = response_logprobs_batch(model, batch, targets)
-        loss = -(logp_BT * mask_BT).sum() / mask_BT.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        return prompt_inputs(processor, examples), [answer for _, answer in examples]
+
+    loss = answer_warmup(model, processor, args.sft_steps, batch, lr=args.lr)
     model.save_pretrained(f"{args.out}/sft")
     processor.save_pretrained(f"{args.out}/sft")
     write_split(args.out, "train", n_train, seed=11)

@@ -10,6 +10,8 @@ import random
 
 from PIL import Image, ImageDraw
 
+from pipelines.common import write_media_split
+
 ALPHABET = "0123456789 ?howmany"
 PROMPT = "how many?"
 SIZE, CELL = 32, 8  # a 4x4 grid of 8-pixel cells; each square fills a cell minus a 1-pixel border
@@ -40,15 +42,5 @@ def reward(response_text: str, answer: str) -> float:
 def write_split(out_dir: str, name: str, n: int, seed: int) -> str:
     """Write ``n`` examples as PNG files under out_dir/images/<name>/ and rows
     {"prompt", "reference", "image": <png path>} to out_dir/<name>.jsonl; returns the jsonl path."""
-    import json
-    from pathlib import Path
-
-    image_dir = Path(out_dir) / "images" / name
-    image_dir.mkdir(parents=True, exist_ok=True)
-    path = Path(out_dir) / f"{name}.jsonl"
-    with path.open("w") as f:
-        for i, (img, answer) in enumerate(make_examples(n, seed)):
-            file = image_dir / f"{i:05d}.png"
-            img.save(file)
-            f.write(json.dumps({"prompt": PROMPT, "reference": answer, "image": str(file.resolve())}) + "\n")
-    return str(path)
+    return write_media_split(out_dir, name, make_examples(n, seed), PROMPT, field="image", folder="images",
+                             suffix=".png", save=lambda img, file: img.save(file))

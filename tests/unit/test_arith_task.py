@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pipelines.arith.task import (ARITH_ALPHABET, all_problems, greedy_accuracy, is_correct, make_problem,
-                                  make_rows, read_rows, split_of, write_dataset)
+                                  make_rows, split_of, write_dataset)
+from streamrft.data import read_rows
 from streamrft.learner.sft import answer_loss, build_sft_batch, supervised_warmup
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy
 
