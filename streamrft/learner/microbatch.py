@@ -92,6 +92,18 @@ def _as_long(ids: list[int] | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(ids, dtype=torch.long).reshape(-1)
 
 
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids (B, L) int64, right-padded with ``pad_id`` to the longest of ``seqs``, and attention_mask (B, L)
+    int64, 1 on real tokens: the plain batch of a scoring or warm-up forward (no microbatch fields)."""
+    length = max(len(s) for s in seqs)
+    ids_BL = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask_BL = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids_BL[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask_BL[i, : len(s)] = 1
+    return ids_BL, mask_BL
+
+
 def collate(samples: list[SequenceSample], indices: list[int]) -> dict[str, torch.Tensor]:
     """Right-padded (B, L) tensors for ``samples[i] for i in indices`` (see the module docstring)."""
     rows = [samples[i] for i in indices]

@@ -16,6 +16,8 @@ import random
 import torch
 import torch.nn.functional as F
 
+from streamrft.learner.microbatch import right_pad
+
 log = logging.getLogger(__name__)
 IGNORE = -100
 
@@ -36,12 +38,9 @@ def build_sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Te
         labels.append([IGNORE] * len(prompt) + answer)
     length = max(len(s) for s in seqs)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids_BL = torch.full((len(seqs), length), pad, dtype=torch.long)
-    mask_BL = torch.zeros((len(seqs), length), dtype=torch.long)
+    ids_BL, mask_BL = right_pad(seqs, pad)
     labels_BL = torch.full((len(seqs), length), IGNORE, dtype=torch.long)
-    for i, (s, lab) in enumerate(zip(seqs, labels)):
-        ids_BL[i, : len(s)] = torch.tensor(s)
-        mask_BL[i, : len(s)] = 1
+    for i, lab in enumerate(labels):
         labels_BL[i, : len(lab)] = torch.tensor(lab)
     return ids_BL, mask_BL, labels_BL
 

@@ -30,6 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoTokenizer
 
+from streamrft.learner.microbatch import right_pad
+
 RM_META = "rm.json"
 HEADS_FILE = "rm_heads.safetensors"
 
@@ -157,13 +159,7 @@ class ScalarRewardModel(torch.nn.Module):
         for prompt, response in zip(prompts, responses, strict=True):
             ids = self.tokenizer(prompt + response, add_special_tokens=False)["input_ids"]
             seqs.append(ids + ([eos] if eos is not None else []))
-        length = max(len(s) for s in seqs)
-        ids_BL = torch.full((len(seqs), length), pad, dtype=torch.long)
-        mask_BL = torch.zeros((len(seqs), length), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids_BL[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask_BL[i, : len(s)] = 1
-        return ids_BL, mask_BL
+        return right_pad(seqs, pad)
 
     def batch_inputs(self, prompts: Sequence[str], responses: Sequence[str],
                      media: Sequence[Sequence] | None = None) -> dict[str, torch.Tensor]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from streamrft.learner.microbatch import right_pad
+
 CHUNK_TOKENS = 1024  # rows of the output head evaluated at once: 1024 x 152k vocab x 4 B = 0.6 GB at most
 BATCH_TOKENS = 8192  # padded tokens per forward: one long and many short sequences are not padded together
 
@@ -76,12 +78,7 @@ def _score_batch(model, all_ids: list[list[int]], all_prompt_lens: list[int], wh
     token_ids = [all_ids[i] for i in which]
     prompt_lens = [all_prompt_lens[i] for i in which]
     device = next(model.parameters()).device
-    L = max(len(t) for t in token_ids)
-    ids = torch.full((len(token_ids), L), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(token_ids), L), dtype=torch.long)
-    for i, t in enumerate(token_ids):
-        ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        attn[i, : len(t)] = 1
+    ids, attn = right_pad(token_ids, pad_id)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     # Row b, position p predicts token p + 1: the scored rows are p in [prompt_len - 1, len - 1).
     rows = [(i, p) for i, t in enumerate(token_ids) for p in range(prompt_lens[i] - 1, len(t) - 1)]

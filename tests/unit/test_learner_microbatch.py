@@ -68,3 +68,11 @@ def test_padding_microbatch_has_no_response_tokens():
     mb = padding_microbatch(["adv"])
     assert mb["input_ids"].shape == (1, 2) and mb["response_mask"].sum() == 0 and mb["adv"].shape == (1, 2)
     assert mb["sample_index"].tolist() == [-1]
+
+
+def test_right_pad_puts_each_sequence_first_and_pads_after_it():
+    from streamrft.learner.microbatch import right_pad
+
+    ids_BL, mask_BL = right_pad([[5, 6, 7], [8], [9, 10]], pad_id=2)
+    assert ids_BL.tolist() == [[5, 6, 7], [8, 2, 2], [9, 10, 2]] and ids_BL.dtype == torch.long
+    assert mask_BL.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]] and mask_BL.dtype == torch.long
