@@ -30,4 +30,7 @@ class TrainConfig(Section):
     head_kernel: Literal["fused", "checkpoint"] = "fused"  # LM-head log-prob/entropy backward: fused (analytic, recomputes only the head matmul, 4096-row chunks) or checkpoint (autograd over each recomputed 1024-row chunk)
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise resume checks
     record_batches: bool = False  # save every step's batch under output_dir/batches/ for `streamrft replay`
+    # fsdp2: AdamW's exp_avg/exp_avg_sq in pinned host memory, streamed through the device one parameter at a time
+    # in each step (learner/host_adamw.py): 8 bytes/parameter off the GPU (57 GiB at 7.6B) for full fine-tuning
+    optimizer_offload: bool = False
     offload_between_phases: bool = True  # colocated: move optimizer state (and params) to host memory during rollout; false keeps them on the device (faster switch when memory allows)

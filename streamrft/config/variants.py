@@ -59,6 +59,7 @@ VARIANT_KEYS: dict[str, tuple[str, tuple | str]] = {
     "train.min_lr_ratio": ("train.lr_schedule", ("cosine",)),
     "train.critic_lr": ("model.critic_path", SET),
     "train.offload_between_phases": ("rollout.placement", ("colocated",)),
+    "train.optimizer_offload": ("train.strategy", ("fsdp2",)),  # DeepSpeed has its own offload
     # rollout
     "rollout.engine_ranks": ("rollout.placement", ("async",)),
     # algorithm: advantage estimators

@@ -16,6 +16,11 @@ def move_module_and_optimizer(module: torch.nn.Module, optimizer: torch.optim.Op
     if home.type == "cpu":
         return
     module.to(device)
+    if getattr(optimizer, "keeps_state_on_host", False):  # train.optimizer_offload: the moments never move
+        torch.cuda.synchronize()
+        if device.type == "cpu":
+            torch.cuda.empty_cache()
+        return
     for state in optimizer.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":

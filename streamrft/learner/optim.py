@@ -31,6 +31,11 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], train_cfg: TrainConfig
     if train_cfg.lr <= 0:
         raise ValueError(f"train.lr={train_cfg.lr} must be > 0")
     beta1, beta2 = train_cfg.adam_betas
+    if train_cfg.optimizer_offload:  # the moments in host memory (learner/host_adamw.py)
+        from streamrft.learner.host_adamw import HostAdamW
+
+        return HostAdamW(params, lr=train_cfg.lr, betas=(beta1, beta2), eps=train_cfg.adam_eps,
+                         weight_decay=train_cfg.weight_decay)
     return torch.optim.AdamW(params, lr=train_cfg.lr, betas=(beta1, beta2), eps=train_cfg.adam_eps,
                              weight_decay=train_cfg.weight_decay)
 
