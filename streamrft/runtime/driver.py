@@ -56,6 +56,8 @@ async def train_loop(run) -> dict[str, float]:
         saving_started = time.perf_counter()
         run.checkpointer.step_done(step + 1, policy_version=step + 1)  # saves every checkpoint.save_every steps
         stats["checkpoint_seconds"] = time.perf_counter() - saving_started  # async saves: the host copy only
+        if run.checkpointer.saved_step == step + 1:  # saved now: the part that waited for the previous write
+            stats["checkpoint_wait_seconds"] = run.checkpointer.wait_seconds
         await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake, open the gate
         _step_stats(run, batch, stats, step_started)
         _log_step(run, step, stats, progress)

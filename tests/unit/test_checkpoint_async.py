@@ -43,8 +43,9 @@ def test_a_slow_write_overlaps_the_next_train_step_and_meta_comes_last(dist, mod
     assert not (step_dir(tmp_path, 1) / "meta.json").exists()  # ... and the checkpoint is not complete yet
     train_step(strategy, accounting, counter, 2)  # the next step trains meanwhile
     assert latest_checkpoint(tmp_path) is None
-    release.set()
+    threading.Timer(1.0, release.set).start()  # the write of step 1 ends about 1 s after step 2's save begins
     ckpt.step_done(2, policy_version=2)  # waits for step 1's write, then stages step 2
+    assert 0.9 <= ckpt.wait_seconds <= ckpt.stage_seconds, (ckpt.wait_seconds, ckpt.stage_seconds)
     ckpt.wait()
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [1, 2]
     meta = read_meta(step_dir(tmp_path, 2))
