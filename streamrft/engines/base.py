@@ -86,6 +86,22 @@ class RolloutEngine(Protocol):
         ...
 
 
+def check_requests(requests: list[GenerationRequest], max_new_tokens: int) -> None:
+    """ValueError naming the request for what no engine can generate: a request id twice in one call (samples
+    are matched back by id), an empty prompt, fewer than one new token (``max_new_tokens``: the engine's
+    default for a request that sets none)."""
+    seen: set[str] = set()
+    for r in requests:
+        if r.request_id in seen:
+            raise ValueError(f"request_id {r.request_id!r} appears twice; request ids must be unique")
+        seen.add(r.request_id)
+        if not r.prompt_ids:
+            raise ValueError(f"request {r.request_id!r} has an empty prompt; every prompt needs >= 1 token")
+        n_new = max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+        if n_new < 1:
+            raise ValueError(f"request {r.request_id!r} has max_new_tokens={n_new}; it must be >= 1")
+
+
 async def wait_for_version(engine: RolloutEngine, version: int, timeout_s: float, staged: str = "") -> None:
     """``wait_version`` by polling ``engine.policy_version``: works from any thread's event loop and is
     cancellable (a threading.Condition wait in a worker thread would be neither). ``staged`` describes

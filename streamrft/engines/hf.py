@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterable
 import torch
 from transformers import DynamicCache
 
-from streamrft.engines.base import GeneratedSample, GenerationRequest, wait_for_version
+from streamrft.engines.base import GeneratedSample, GenerationRequest, check_requests, wait_for_version
 from streamrft.engines.sampling import logprob_of, process_logits, sample_tokens
 
 if TYPE_CHECKING:
@@ -237,17 +237,10 @@ class HFEngine:
         return [by_id[r.request_id] for r in requests]
 
     def _validate_requests(self, requests: list[GenerationRequest]) -> None:
-        seen: set[str] = set()
+        check_requests(requests, self.cfg.max_new_tokens)
         limit = getattr(getattr(self.module, "config", None), "max_position_embeddings", None)
         for r in requests:
-            if r.request_id in seen:
-                raise ValueError(f"request_id {r.request_id!r} appears twice; request ids must be unique")
-            seen.add(r.request_id)
-            if not r.prompt_ids:
-                raise ValueError(f"request {r.request_id!r} has an empty prompt; every prompt needs >= 1 token")
             n_new = self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
-            if n_new < 1:
-                raise ValueError(f"request {r.request_id!r} has max_new_tokens={n_new}; it must be >= 1")
             if limit is not None and len(r.prompt_ids) + n_new > limit:
                 raise ValueError(
                     f"request {r.request_id!r}: prompt of {len(r.prompt_ids)} tokens + max_new_tokens={n_new} "

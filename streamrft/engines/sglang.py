@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterable
 import torch
 
 from streamrft.config.validate import validate_sampling  # shared by every engine
-from streamrft.engines.base import GeneratedSample, GenerationRequest, wait_for_version
+from streamrft.engines.base import GeneratedSample, GenerationRequest, check_requests, wait_for_version
 
 if TYPE_CHECKING:
     from streamrft.config.engine import EngineConfig
@@ -162,8 +162,7 @@ class SGLangEngine:
         """Yield each sample as soon as its own call returns."""
         if mm_inputs:
             raise ValueError("engine.type=sglang cannot take media prompts yet; use engine.type=hf")
-        if len({r.request_id for r in requests}) != len(requests):
-            raise ValueError("request ids of one generate() call must be unique")
+        check_requests(requests, self.cfg.max_new_tokens)
         start = time.perf_counter()
         self._active += 1
         tasks = [asyncio.create_task(self._one(r, start)) for r in requests]

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterable
 
 import torch
 
-from streamrft.engines.base import GeneratedSample, GenerationRequest, wait_for_version
+from streamrft.engines.base import GeneratedSample, GenerationRequest, check_requests, wait_for_version
 from streamrft.config.validate import validate_sampling
 from streamrft.engines.sglang import http_json
 
@@ -289,7 +289,7 @@ class VLLMEngine:
         """Yield each sample as soon as its own sequence ends (stop token or length)."""
         if mm_inputs:
             raise ValueError("engine.type=vllm cannot take media prompts yet; use engine.type=hf")
-        _check_requests(requests)
+        check_requests(requests, self.cfg.max_new_tokens)
         if self._inproc is not None and self._inproc.llm is None:
             raise RuntimeError("VLLMEngine.generate called after close(); build a new engine")
         if self._inproc is not None and self._inproc.asleep:
@@ -410,15 +410,3 @@ class VLLMEngine:
                     await asyncio.to_thread(inproc.llm.collective_rpc, _refresh_tied_head)
         self.policy_version = version
         self.timings["weight_push"] = time.perf_counter() - started
-
-
-def _check_requests(requests: list[GenerationRequest]) -> None:
-    seen: set[str] = set()
-    for r in requests:
-        if r.request_id in seen:
-            raise ValueError(f"request_id {r.request_id!r} appears twice; request ids must be unique")
-        seen.add(r.request_id)
-        if not r.prompt_ids:
-            raise ValueError(f"request {r.request_id!r} has an empty prompt; every prompt needs >= 1 token")
-        if r.max_new_tokens is not None and r.max_new_tokens < 1:
-            raise ValueError(f"request {r.request_id!r} has max_new_tokens={r.max_new_tokens}; it must be >= 1")

@@ -132,6 +132,16 @@ def _argmax_loop(model: torch.nn.Module, prompt: list[int], n: int, eos: int = 1
     return out
 
 
+def test_a_repeated_request_id_an_empty_prompt_and_zero_new_tokens_are_refused_naming_the_request(engine):
+    """One check for every engine (engines.base.check_requests), before anything is generated."""
+    cases = [([GenerationRequest("a", [3], 0), GenerationRequest("a", [4], 1)], "request_id 'a' appears twice"),
+             ([GenerationRequest("b", [], 0)], "request 'b' has an empty prompt"),
+             ([GenerationRequest("c", [3], 0, max_new_tokens=0)], "request 'c' has max_new_tokens=0; it must be >= 1")]
+    for requests, message in cases:
+        with pytest.raises(ValueError, match=message):
+            asyncio.run(engine.generate_all(requests))
+
+
 def test_greedy_output_equals_a_plain_argmax_loop(engine, reference):
     samples = _generate(_view(engine, top_k=1), "greedy")
     for prompt, sample in zip(PROMPTS, samples):
