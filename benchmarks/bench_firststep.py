@@ -149,13 +149,13 @@ def first_step_table(rows: list[dict]) -> str:
     lines = ["first step, seconds (validate: the config check, which imports the learner's modules; roll1/train1: "
              "the first rollout and train step; N: steady median; capture: CUDA-graph capture + Triton decode "
              "compile; to_step1: launch to the end of the first train step)",
-             f"{'size':5} {'run':22} {'cache':5} " + " ".join(f"{c:>9}" for c, _ in COLUMNS) + "  inductor hit/miss"]
+             f"{'size':6} {'run':22} {'cache':5} " + " ".join(f"{c:>9}" for c, _ in COLUMNS) + "  inductor hit/miss"]
     for r in rows:
         fs = r.get("first_step")
         if not fs:
             continue
         cells = " ".join(f"{'-':>9}" if fs.get(k) is None else f"{fs[k]:9.2f}" for _, k in COLUMNS)
         ind = r.get("inductor_cache", {})
-        lines.append(f"{r['size']:5} {r['system']:22} {r.get('cache', '?'):5} {cells}  "
+        lines.append(f"{r['size']:6} {r['system']:22} {r.get('cache', '?'):5} {cells}  "
                      f"{ind.get('fxgraph_cache_hit', 0)}/{ind.get('fxgraph_cache_miss', 0)}")
     return "\n".join(lines)

@@ -485,6 +485,9 @@ def main() -> None:
     ap.add_argument("--repeat-streamrft", type=int, default=1,
                     help="run each StreamRFT run N times in a row (the compile caches of the first are kept "
                          "under OUT/compile_cache: cold, then warm first step)")
+    ap.add_argument("--report-dir", default="",
+                    help="also write results.json and table.txt here after every run (e.g. the GPU call's $OUT: "
+                         "a call cut short still returns what finished)")
     ap.add_argument("--worker", default="")
     ap.add_argument("--size", default="")
     ap.add_argument("--tag", default="")
@@ -570,10 +573,12 @@ def main() -> None:
         results[f"{size}_{tag}"] = res
         print(f"[{size}] {tag} done in {time.perf_counter() - t0:.1f} s: "
               f"{ {k: v for k, v in res.items() if not isinstance(v, (list, dict))} }", flush=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-        print(report(results, ceilings, wls, sizes), flush=True)
-    table = report(results, ceilings, wls, sizes)
-    (out / "table.txt").write_text(table + "\n")
+        table = report(results, ceilings, wls, sizes)
+        for folder in [out] + ([Path(a.report_dir)] if a.report_dir else []):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "results.json").write_text(json.dumps(results, indent=1))
+            (folder / "table.txt").write_text(table + "\n")
+        print(table, flush=True)
     print("\n==== TABLE ====")
     print(table)
 
