@@ -46,7 +46,7 @@ _FILL = torch.finfo(torch.float32).min  # the banned ids' scaled logit, as logpr
 
 
 def _scaled_logits(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, inv_temperature: float,
-                   banned_ids: torch.Tensor | None) -> torch.Tensor:
+                   banned_V: torch.Tensor | None) -> torch.Tensor:
     """float32 z = (h W^T + b) / T with banned ids filled. The head matmul is done here, not by the caller, so
     that its output is owned by this frame and the scaling can run in place (``.float()`` of a float32
     tensor is the tensor itself): one float32 (chunk, V) block, not two."""
@@ -54,8 +54,8 @@ def _scaled_logits(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Te
     z_NV = z_raw.float()
     del z_raw  # a bf16 output is dropped once cast
     z_NV.mul_(inv_temperature)
-    if banned_ids is not None:
-        z_NV.index_fill_(-1, banned_ids, _FILL)
+    if banned_V is not None:  # a (V,) bool mask, not an index fill: pointwise, so it fuses when compiled
+        z_NV.masked_fill_(banned_V, _FILL)
     return z_NV
 
 
@@ -70,9 +70,9 @@ def _log_softmax_(z_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def chunk_stats(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, target_N: torch.Tensor,
-                inv_temperature: float, banned_ids: torch.Tensor | None, with_entropy: bool):
+                inv_temperature: float, banned_V: torch.Tensor | None, with_entropy: bool):
     """(logp_N, lse_N, entropy_N | None) of one chunk of rows. Eagerly at most two float32 (chunk, V) blocks."""
-    logp_NV, lse_N = _log_softmax_(_scaled_logits(h_nH, weight_VH, bias_V, inv_temperature, banned_ids))
+    logp_NV, lse_N = _log_softmax_(_scaled_logits(h_nH, weight_VH, bias_V, inv_temperature, banned_V))
     logp_N = logp_NV.gather(-1, target_N.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp_N, lse_N, None
@@ -83,24 +83,36 @@ def chunk_stats(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tenso
 
 def chunk_grad_logits(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, target_N: torch.Tensor,
                       lse_N: torch.Tensor, entropy_N: torch.Tensor | None, g_logp_N: torch.Tensor | None,
-                      g_entropy_N: torch.Tensor | None, inv_temperature: float, banned_ids: torch.Tensor | None,
+                      g_entropy_N: torch.Tensor | None, inv_temperature: float, banned_V: torch.Tensor | None,
                       ) -> torch.Tensor:
     """dZ (the gradient of the raw head output, module docstring) of one chunk, in the weight's dtype.
-    In-place ops keep the eager peak at two float32 (chunk, V) blocks (log p, then p which becomes dZ)."""
-    logp_NV = _scaled_logits(h_nH, weight_VH, bias_V, inv_temperature, banned_ids).sub_(lse_N.unsqueeze(-1))
-    p_NV = logp_NV.exp()
+
+    Two spellings of one formula. Eagerly, in-place ops keep the peak at two float32 (chunk, V) blocks
+    (log p, then p which becomes dZ) and the one-hot term is a scatter of N values. Under torch.compile
+    everything is pointwise (the one-hot as ``column == target``), so inductor emits a single kernel
+    that reads the head output and writes dZ in the weight's dtype, with no float32 block at all."""
+    logp_NV = _scaled_logits(h_nH, weight_VH, bias_V, inv_temperature, banned_V).sub_(lse_N.unsqueeze(-1))
     if g_logp_N is None:
         g_logp_N = torch.zeros_like(lse_N)
-    # the per-element factor multiplying p: g_logp + g_H (log p + H)
-    if g_entropy_N is not None:
-        factor_NV = logp_NV.add_(entropy_N.unsqueeze(-1)).mul_(g_entropy_N.unsqueeze(-1)).add_(g_logp_N.unsqueeze(-1))
+    g_logp_N1 = g_logp_N.unsqueeze(-1)
+    if torch.compiler.is_compiling():
+        factor_NV = g_logp_N1 if g_entropy_N is None else (
+            g_logp_N1 + g_entropy_N.unsqueeze(-1) * (logp_NV + entropy_N.unsqueeze(-1)))
+        column_1V = torch.arange(logp_NV.shape[-1], device=logp_NV.device).unsqueeze(0)
+        dz_NV = torch.where(column_1V == target_N.unsqueeze(-1), g_logp_N1, 0.0) - logp_NV.exp() * factor_NV
+        if banned_V is not None:
+            dz_NV = dz_NV.masked_fill(banned_V, 0.0)
+        return (dz_NV * inv_temperature).to(weight_VH.dtype)
+    p_NV = logp_NV.exp()
+    if g_entropy_N is not None:  # the factor multiplying p: g_logp + g_H (log p + H), in log p's storage
+        factor_NV = logp_NV.add_(entropy_N.unsqueeze(-1)).mul_(g_entropy_N.unsqueeze(-1)).add_(g_logp_N1)
         dz_NV = p_NV.mul_(factor_NV).neg_()
     else:
-        dz_NV = p_NV.mul_(g_logp_N.unsqueeze(-1)).neg_()
+        dz_NV = p_NV.mul_(g_logp_N1).neg_()
     del logp_NV
-    dz_NV.scatter_add_(-1, target_N.unsqueeze(-1), g_logp_N.unsqueeze(-1).to(dz_NV.dtype))  # + g_logp [j = y]
-    if banned_ids is not None:  # a constant fill has no gradient, target or not
-        dz_NV.index_fill_(-1, banned_ids, 0.0)
+    dz_NV.scatter_add_(-1, target_N.unsqueeze(-1), g_logp_N1.to(dz_NV.dtype))  # + g_logp [j = y]
+    if banned_V is not None:  # a constant fill has no gradient, target or not
+        dz_NV.masked_fill_(banned_V, 0.0)
     return dz_NV.mul_(inv_temperature).to(weight_VH.dtype)
 
 
@@ -141,18 +153,22 @@ class FusedHeadLogprob(torch.autograd.Function):
     def forward(ctx, h_NH, weight_VH, bias_V, target_N, banned_ids, inv_temperature: float, with_entropy: bool,
                 chunk_size: int, compile_head: bool):
         N = h_NH.shape[0]
+        banned_V = None
+        if banned_ids is not None:
+            banned_V = torch.zeros(weight_VH.shape[0], dtype=torch.bool, device=h_NH.device)
+            banned_V[banned_ids] = True
         stats = _elementwise("stats", h_NH.device, compile_head)
         logp_N = h_NH.new_empty(N, dtype=torch.float32)
         lse_N = h_NH.new_empty(N, dtype=torch.float32)
         entropy_N = h_NH.new_zeros(N, dtype=torch.float32)
         for s in range(0, N, chunk_size):
             logp_n, lse_n, ent_n = stats(h_NH[s:s + chunk_size], weight_VH, bias_V, target_N[s:s + chunk_size],
-                                         inv_temperature, banned_ids, with_entropy)
+                                         inv_temperature, banned_V, with_entropy)
             logp_N[s:s + chunk_size] = logp_n
             lse_N[s:s + chunk_size] = lse_n
             if with_entropy:
                 entropy_N[s:s + chunk_size] = ent_n
-        ctx.save_for_backward(h_NH, weight_VH, bias_V, target_N, banned_ids, lse_N, entropy_N)
+        ctx.save_for_backward(h_NH, weight_VH, bias_V, target_N, banned_V, lse_N, entropy_N)
         ctx.inv_temperature, ctx.with_entropy, ctx.chunk_size, ctx.compile_head = (
             inv_temperature, with_entropy, chunk_size, compile_head)
         if not with_entropy:
@@ -162,7 +178,7 @@ class FusedHeadLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp_N, g_entropy_N):
-        h_NH, weight_VH, bias_V, target_N, banned_ids, lse_N, entropy_N = ctx.saved_tensors
+        h_NH, weight_VH, bias_V, target_N, banned_V, lse_N, entropy_N = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if not ctx.with_entropy:
             g_entropy_N = None
@@ -178,7 +194,7 @@ class FusedHeadLogprob(torch.autograd.Function):
             dz_nV = grad(h_nH, weight_VH, bias_V, target_N[s:s + c], lse_N[s:s + c],
                          None if g_entropy_N is None else entropy_N[s:s + c],
                          None if g_logp_N is None else g_logp_N[s:s + c],
-                         None if g_entropy_N is None else g_entropy_N[s:s + c], ctx.inv_temperature, banned_ids)
+                         None if g_entropy_N is None else g_entropy_N[s:s + c], ctx.inv_temperature, banned_V)
             if need_h:
                 torch.mm(dz_nV, weight_VH, out=dh_NH[s:s + c])
             if need_w:
