@@ -25,6 +25,7 @@ import warnings
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -38,6 +39,17 @@ def _register(buf: torch.Tensor) -> bool:
                       f"(cudaError {err}); the AdamW moments stay in pageable host memory (slower copies)")
         return False
     return True
+
+
+def _like(p: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """``host`` (p's local shard's shape, in host memory) as a DTensor sharded like ``p``, or itself.
+
+    Not DTensor.from_local: it moves the local tensor to the mesh's device type (the GPU). The constructor keeps
+    it where it is, as FSDP2's own CPU offload does for its sharded parameters."""
+    if not isinstance(p, DTensor):
+        return host
+    spec = DTensorSpec(p.device_mesh, p.placements, TensorMeta(p.shape, p.stride(), torch.float32))
+    return DTensor(host, spec, requires_grad=False)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -79,27 +91,35 @@ class HostAdamW(torch.optim.Optimizer):
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
             for key in MOMENTS:
                 view = self._flat[key][offset: offset + loc.numel()].view(loc.shape)
-                st[key] = (DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                              stride=p.stride()) if isinstance(p, DTensor) else view)
+                st[key] = _like(p, view)
             self._views[p] = {key: st[key] for key in MOMENTS}  # where load_state_dict copies a checkpoint to
             offset += loc.numel()
 
     def load_state_dict(self, state_dict) -> None:
-        """torch's load moves the moments to the parameters' device (or keeps the caller's tensors): copy them
-        into this optimizer's host buffers (allocated here if no step ran yet)."""
-        super().load_state_dict(state_dict)
-        loaded = {p: dict(st) for p, st in self.state.items()}
+        """Load a checkpoint's moments into this optimizer's host buffers.
+
+        torch's own load would first copy every moment to its parameter's device (57 GiB of GPU memory at 7B,
+        the very thing this optimizer avoids), so the moments are taken out before it runs and copied into the
+        buffers here; torch loads the rest (steps, param groups)."""
         if not self._flat:
             self._allocate()
-        for p, st in loaded.items():
-            mine = self.state[p]
+        moments, rest = {}, {}
+        for pid, st in state_dict["state"].items():
+            moments[pid] = {k: v for k, v in st.items() if k in MOMENTS}
+            rest[pid] = {k: v for k, v in st.items() if k not in MOMENTS}
+        super().load_state_dict({**state_dict, "state": rest})
+        by_id = {pid: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
+                 for pid, p in zip(saved["params"], group["params"])}
+        for pid, loaded in moments.items():
+            p = by_id[pid]
+            st = self.state[p]
             for key in MOMENTS:
                 view = self._views[p][key]
-                if key in st and st[key] is not view:
-                    _local(view).copy_(_local(st[key]).to(torch.float32))
-                mine[key] = view
+                if key in loaded and _local(loaded[key]).data_ptr() != _local(view).data_ptr():
+                    _local(view).copy_(_local(loaded[key]).to(torch.float32))
+                st[key] = view
             if "step" in st:  # a CPU scalar of our own (torch keeps the caller's tensor)
-                mine["step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float32).clone()
+                st["step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float32).clone()
 
     def __del__(self):
         for buf in getattr(self, "_pinned", []):
