@@ -285,3 +285,54 @@ def test_one_learner_step_fused_equals_checkpoint(dist, tmp_path):
     assert n_f == pytest.approx(n_c, rel=1e-5)
     for k in sd_c:
         torch.testing.assert_close(sd_f[k], sd_c[k], atol=1e-5, rtol=0, msg=lambda m: k + m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_compiled_elementwise_part_equals_eager(device):
+    """train.compile_head: the compiled spelling of dZ (pointwise, one-hot as column == target) and the
+    compiled statistics give the eager values. On CUDA through the Function (values and gradients, run by
+    hand on a GPU machine); on CPU through inductor's C++ backend, opt-in (STREAMRFT_CPU_INDUCTOR=1: about
+    a minute of compiling)."""
+    import os
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("train.compile_head compiles on CUDA only")
+    if device == "cpu" and os.environ.get("STREAMRFT_CPU_INDUCTOR") != "1":
+        pytest.skip("set STREAMRFT_CPU_INDUCTOR=1 to compile with inductor on the CPU")
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(11)
+    n, hid, vocab = 300, 64, 3000
+    h = torch.randn(n, hid, generator=g).to(dev)
+    w = (torch.randn(vocab, hid, generator=g) * 0.2).to(dev)
+    b = (torch.randn(vocab, generator=g) * 0.1).to(dev)
+    target = torch.randint(0, vocab, (n,), generator=g).to(dev)
+    target[5] = 7  # a banned target
+    g_logp, g_ent = torch.randn(n, generator=g).to(dev), torch.randn(n, generator=g).to(dev)
+    banned = torch.tensor([7, 100, 2999], device=dev)
+    if device == "cuda":
+        results = []
+        for compile_head in (False, True):
+            hh, ww, bb = (x.clone().requires_grad_() for x in (h, w, b))
+            logp, ent = fused_logp_entropy(hh, ww, bb, target, 1 / T, True, 128, banned, compile_head)
+            (logp[torch.arange(n, device=dev) != 5] * g_logp[torch.arange(n, device=dev) != 5]).sum().backward(
+                retain_graph=True)
+            (ent * g_ent).sum().backward()
+            results.append((logp.detach(), ent.detach(), hh.grad, ww.grad, bb.grad))
+        for eager, compiled in zip(*results):
+            torch.testing.assert_close(compiled, eager, atol=2e-4, rtol=2e-4)
+        return
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[banned] = True
+    stats = torch.compile(fused_head.chunk_stats, dynamic=True)
+    grad = torch.compile(fused_head.chunk_grad_logits, dynamic=True)
+    for rows in (slice(0, 128), slice(128, 300)):  # two shapes: the dynamic-shape graph is reused
+        args = (h[rows], w, b, target[rows], 1 / T, mask)
+        got, want = stats(*args, True), fused_head.chunk_stats(*args, True)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        _, lse, ent = want
+        gargs = (h[rows], w, b, target[rows], lse, ent, g_logp[rows], g_ent[rows], 1 / T, mask)
+        torch.testing.assert_close(grad(*gargs), fused_head.chunk_grad_logits(*gargs), atol=1e-6, rtol=1e-5)
+        gargs = (h[rows], w, None, target[rows], lse, None, g_logp[rows], None, 1 / T, None)
+        torch.testing.assert_close(grad(*gargs), fused_head.chunk_grad_logits(*gargs), atol=1e-6, rtol=1e-5)
