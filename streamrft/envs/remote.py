@@ -110,7 +110,7 @@ class RemoteEnvClient:
         """The service's reply (maybe an error reply: the caller reads ``code``); EnvServiceError when no
         reply came after ``attempts`` (default retries + 1) attempts."""
         if self._closed:
-            raise self.fail("env_error", "the remote environment client is closed")
+            raise self.fail("env_error", "the remote environment client is closed", count=count)
         self.n_requests += 1
         attempts = self.retries + 1 if attempts is None else attempts
         turn = getattr(request, "turn", 0 if isinstance(request, EnvReset) else -1)

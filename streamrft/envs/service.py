@@ -147,6 +147,9 @@ def _step_reply(episode_id: str, turn: int, result: Any) -> EnvReply:
         raise ValueError(f"step() returned role {result.role!r}; expected one of {list(OBSERVATION_ROLES)}")
     if not isinstance(result.info, dict):
         raise ValueError(f"step() returned info of type {type(result.info).__name__}; expected a dict")
+    bad_keys = [k for k in result.info if not isinstance(k, str)]
+    if bad_keys:  # msgpack would carry them, but the client's EnvReply (info: dict[str, Any]) refuses the reply
+        raise ValueError(f"step() returned info with non-string key(s) {bad_keys[:3]!r}; info keys must be str")
     try:
         _digest_encoder.encode(result.info)
     except (TypeError, UnicodeEncodeError, OverflowError) as exc:

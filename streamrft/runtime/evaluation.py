@@ -117,8 +117,13 @@ async def _evaluate_episodes(engine, tokenizer, env, model_path, max_new_tokens,
 
     for _ in kept:
         batcher.enter()
-    done = await asyncio.gather(*(one(q, i, r) for q, (i, r) in zip(requests, kept)))
-    await batcher.drain()
+    try:
+        done = await asyncio.gather(*(one(q, i, r) for q, (i, r) in zip(requests, kept)))
+        await batcher.drain()
+    finally:
+        client = getattr(factory, "client", None)  # a serve-env client, made for this evaluation: its sockets
+        if client is not None:  # and threads would otherwise outlive it, one set per held-out evaluation
+            await client.close()
     rows = dict(kept)
     items, episodes = [], []
     for i, text, ep in done:

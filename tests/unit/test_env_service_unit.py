@@ -48,6 +48,7 @@ def service(answers=None, delay=0.0, **limits) -> EnvService:
     (StepResult(3), "scripted_test: step() returned observation of type int; expected str or None"),
     ("just text", "scripted_test: step() returned a str without 'observation'; return streamrft.envs.EnvStep"),
     (StepResult("x", info={"f": object()}), "scripted_test: step() returned info that cannot travel as msgpack: "),
+    (StepResult("x", info={1: 2.0}), "scripted_test: step() returned info with non-string key(s) [1]; info keys must be str"),
 ])
 def test_an_answer_that_cannot_travel_fails_the_episode_with_env_error_naming_the_field(answer, message):
     async def go():
@@ -113,3 +114,44 @@ def test_env_timeout_and_retries_apply_to_env_address_only():
                                "env.timeout_s applies to requests to a serve-env service only")
     with pytest.raises(ConfigError, match=r"env.timeout_s=30.0 must be > 0 and env.retries=-1 >= 0"):
         validate_env(_cfg("env.address=tcp://127.0.0.1:5557", "env.retries=-1"))
+
+
+def test_closing_an_episode_after_its_client_closed_is_not_counted_as_a_failure():
+    from streamrft.envs.remote import RemoteEnvClient, RemoteEnvironment
+
+    async def go():
+        client = RemoteEnvClient("tcp://127.0.0.1:9", timeout_s=0.2, retries=0)
+        env = RemoteEnvironment(client)
+        await client.close()
+        await env.close()  # the episode's outcome is known: a close that cannot be sent is no failure
+        with pytest.raises(Exception, match="env_error: env stage, rank 0, .*: the remote environment client is closed"):
+            await env.reset({})
+        return client
+
+    client = asyncio.run(go())
+    assert client.n_failed == 1 and client.failed_by_reason == {"env_error": 1}  # the reset only
+
+
+def test_a_held_out_evaluation_closes_the_serve_env_client_it_made(monkeypatch):
+    """Each evaluation makes its own RemoteEnvClient (sockets, threads); it must not outlive the evaluation."""
+    import socket
+
+    from streamrft.engines.base import GenerationRequest
+    from streamrft.envs import episode
+    from streamrft.runtime.evaluation import _evaluate_episodes
+
+    with socket.socket() as s:  # a port nobody listens on: every reset goes unanswered
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    made = []
+    real = episode.environment_factory
+    monkeypatch.setattr(episode, "environment_factory", lambda cfg, rank=0: made.append(real(cfg, rank)) or made[-1])
+    env = types.SimpleNamespace(name="echo", address=f"tcp://127.0.0.1:{port}", timeout_s=0.2, retries=0,
+                                max_turns=2, max_tokens=16, kwargs={})
+    row = types.SimpleNamespace(extra={}, prompt="p", reference="r", label="", row=0)
+    tokenizer = types.SimpleNamespace(chat_template="{{ messages }}", name_or_path="fake")
+    out = asyncio.run(_evaluate_episodes(None, tokenizer, env, "", 4, [GenerationRequest("0", [1, 2], 0)],
+                                         [(0, row)], {0: "p"}, None, 0, lambda t: t, 1.0, "auto", "", "eval.jsonl",
+                                         5.0))
+    assert out["heldout_env_errors"] == 1.0 and out["heldout_n"] == 1.0
+    assert len(made) == 1 and made[0].client._closed

@@ -194,3 +194,17 @@ def test_the_run_ends_like_a_script_threads_joined_and_atexit_run(tmp_path):
     code = "import sys\nprint('partial')\nsys.exit('bad input')\n"
     result = run_python(code, SandboxLimits(work_root=str(tmp_path)))
     assert (result.reason, result.exit_code, result.stdout, result.stderr) == ("error", 1, "partial\n", "bad input\n")
+
+
+def test_words_the_code_writes_on_the_marker_pipe_cannot_make_the_run_raise(tmp_path):
+    """The worker holds the marker pipe (its audit hook reports there): a malformed word must be ignored."""
+    code = ("import os\n"
+            "for fd in range(3, 64):\n"
+            "    try:\n"
+            "        os.write(fd, b'isolation:bogus\\nisolation:\\n')\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "print('done')\n")
+    result = run_python(code, SandboxLimits(work_root=str(tmp_path)))
+    assert result.reason == "ok" and result.stdout == "done\n", result
+    assert "bogus" not in result.isolation and "" not in result.isolation
