@@ -30,8 +30,9 @@ def validate_env(cfg, check_paths: bool = True) -> None:
     is started."""
     e = cfg.env
     if not e.name:
-        for key, default in (("max_turns", 4), ("max_tokens", 1024), ("address", "")):
-            if getattr(e, key) != default:
+        defaults = EnvConfig()
+        for key in ("max_turns", "max_tokens", "address", "timeout_s", "retries"):  # each would do nothing
+            if getattr(e, key) != getattr(defaults, key):
                 raise ConfigError(f"env.{key}={getattr(e, key)!r} is set but env.name is empty (single-turn "
                                   "rollouts); set env.name to an environment or remove env.{key}".replace("{key}", key))
         if e.kwargs:

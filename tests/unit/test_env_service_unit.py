@@ -114,6 +114,11 @@ def test_env_timeout_and_retries_apply_to_env_address_only():
                                "env.timeout_s applies to requests to a serve-env service only")
     with pytest.raises(ConfigError, match=r"env.timeout_s=30.0 must be > 0 and env.retries=-1 >= 0"):
         validate_env(_cfg("env.address=tcp://127.0.0.1:5557", "env.retries=-1"))
+    for key, value in (("retries", "0"), ("timeout_s", "5")):  # without env.name they would do nothing either
+        with pytest.raises(ConfigError) as info:
+            validate_env(_cfg("env.name=", f"env.{key}={value}"))
+        assert str(info.value).startswith(f"env.{key}={float(value) if key == 'timeout_s' else int(value)!r} is set "
+                                          "but env.name is empty (single-turn rollouts)"), str(info.value)
 
 
 def test_closing_an_episode_after_its_client_closed_is_not_counted_as_a_failure():
