@@ -184,10 +184,8 @@ class FusedHeadLogprob(torch.autograd.Function):
             g_entropy_N = None
         grad = _elementwise("grad", h_NH.device, ctx.compile_head)
         dh_NH = torch.zeros_like(h_NH) if need_h else None
-        dW_VH = torch.zeros_like(weight_VH) if need_w else None
+        dW_VH = None  # the first chunk's product, then addmm_ (no zero-fill pass over V x H)
         db_V = torch.zeros(weight_VH.shape[0], dtype=torch.float32, device=h_NH.device) if need_b else None
-        if g_logp_N is None and g_entropy_N is None:
-            return dh_NH, dW_VH, None if db_V is None else db_V.to(bias_V.dtype), None, None, None, None, None, None
         c = ctx.chunk_size
         for s in range(0, h_NH.shape[0], c):
             h_nH = h_NH[s:s + c]
@@ -198,10 +196,12 @@ class FusedHeadLogprob(torch.autograd.Function):
             if need_h:
                 torch.mm(dz_nV, weight_VH, out=dh_NH[s:s + c])
             if need_w:
-                dW_VH.addmm_(dz_nV.t(), h_nH)
+                dW_VH = torch.mm(dz_nV.t(), h_nH) if dW_VH is None else dW_VH.addmm_(dz_nV.t(), h_nH)
             if need_b:
                 db_V += dz_nV.float().sum(0)
             del dz_nV
+        if need_w and dW_VH is None:  # no rows
+            dW_VH = torch.zeros_like(weight_VH)
         if need_b:
             db_V = db_V.to(bias_V.dtype)
         return dh_NH, dW_VH, db_V, None, None, None, None, None, None
