@@ -72,12 +72,13 @@ def variants_table(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         over = " ".join(r.get("overrides", [])) or "-"
+        name = r.get("system", r.get("variant", "?")).removeprefix("streamrft-")  # the run: variant (+ -r2 ...)
         if "error" in r:
-            lines.append(f"{r.get('size', '?'):5} {r.get('variant', '?'):16} FAILED: {r['error'][-300:]}  [{over}]")
+            lines.append(f"{r.get('size', '?'):5} {name:16} FAILED: {r['error'][-300:]}  [{over}]")
             continue
         # what saving blocked each step (checkpoint.save_every / async_save; the last step also saves)
         ck = "/".join("-" if x is None else f"{x:.2f}" for x in r.get("checkpoint_times", []))
-        lines.append(f"{r['size']:5} {r['variant']:16} {r['step_s']:7.2f} {r['train_s']:7.2f} {r['rollout_s']:7.2f} "
+        lines.append(f"{r['size']:5} {name:16} {r['step_s']:7.2f} {r['train_s']:7.2f} {r['rollout_s']:7.2f} "
                      f"{r['peak_gib']:8.1f} {r['peak_reserved_gib']:8.1f}  {ck or '-'} | {over}")
     return "\n".join(lines)
 

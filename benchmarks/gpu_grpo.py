@@ -274,6 +274,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
 
     return {
         "system": tag, "size": size, "steps": len(rows), "variant": variant, "overrides": list(overrides or []),
+        "trainable_params": run.trainable_params,  # LoRA: the adapters only
         "step_s": med("step_seconds"), "rollout_s": steady_t("rollout"), "train_s": steady_t("train"),
         "rollout_tok_s": tokens / steady_t("rollout"), "trained_tok_s": med("trained_tokens_per_s"),
         "phase_switch_s": med("phase/rollout_to_train_seconds") + med("phase/train_to_rollout_seconds"),
@@ -375,12 +376,13 @@ def run_trl(size: str, wl: dict, out: Path, steps: int, lora: bool = False) -> d
                           train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in rows]),
                           callbacks=[Timer()], peft_config=peft_config)
     trainer.train()
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)  # LoRA: the adapters only
     steady = step_times[1:] or step_times
     gens = gen_times[1:] or gen_times
     tokens = response_tokens(wl, steps)
     step_s, gen_s = statistics.median(steady), statistics.median(gens)
     return {
-        "system": "trl-lora" if lora else "trl", "size": size, "steps": len(step_times), "step_s": step_s, "rollout_s": gen_s,
+        "system": "trl-lora" if lora else "trl", "size": size, "steps": len(step_times), "trainable_params": trainable, "step_s": step_s, "rollout_s": gen_s,
         "train_s": step_s - gen_s, "rollout_tok_s": tokens / gen_s, "trained_tok_s": tokens / step_s,
         "phase_switch_s": 0.0, "weight_sync_s": 0.0, "engine_only_s": gen_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
