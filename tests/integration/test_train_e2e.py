@@ -52,21 +52,33 @@ def test_first_step_ratio_is_exactly_one_when_old_logprobs_are_recomputed(arith_
     assert first["kl"] >= 0.0
 
 
+# 6 prompts split evenly over 2 and 3 ranks: one one-rank reference serves both rank counts
+PROMPTS = 6
+
+
+@pytest.fixture(scope="module")
+def one_rank_first_step(arith_dir, tmp_path_factory) -> dict:
+    """The first step of the one-rank run (the CLI, one process) that every rank count must reproduce."""
+    one = tmp_path_factory.mktemp("one_rank")
+    subprocess.run([sys.executable, "-m", "streamrft.cli", "train", str(CONFIG),
+                    *arith_overrides(arith_dir, one, f"rollout.prompts_per_step={PROMPTS}")],
+                   check=True, env=env_one_thread(), timeout=300, cwd=REPO)
+    (a,) = steps_of(one)
+    return a
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_more_ranks_give_the_same_first_step_loss_as_one_rank(arith_dir, tmp_path, ranks):
+def test_more_ranks_give_the_same_first_step_loss_as_one_rank(arith_dir, tmp_path, ranks, one_rank_first_step):
     """Same global batch, same seed: sampling is seeded per (step, prompt, sample) and the loss is
     normalised by global counts, so the first step cannot depend on the number of ranks."""
-    prompts = 8 if ranks == 2 else 6
-    one, many = tmp_path / "one", tmp_path / "many"
-    extra = f"rollout.prompts_per_step={prompts}"
-    subprocess.run([sys.executable, "-m", "streamrft.cli", "train", str(CONFIG), *arith_overrides(arith_dir, one, extra)],
-                   check=True, env=env_one_thread(), timeout=300, cwd=REPO)
+    many = tmp_path / "many"
     env = dict(env_one_thread(), NPROC_PER_NODE=str(ranks), MASTER_PORT=str(free_port()))
-    proc = subprocess.run([str(REPO / "launch" / "colocate.sh"), str(CONFIG), *arith_overrides(arith_dir, many, extra)],
+    proc = subprocess.run([str(REPO / "launch" / "colocate.sh"), str(CONFIG),
+                           *arith_overrides(arith_dir, many, f"rollout.prompts_per_step={PROMPTS}")],
                           env=env, timeout=300, cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (a,), (b,) = steps_of(one), steps_of(many)
-    assert b["train_sequences"] == a["train_sequences"] == prompts * 4
+    a, (b,) = one_rank_first_step, steps_of(many)
+    assert b["train_sequences"] == a["train_sequences"] == PROMPTS * 4
     assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-9)
     assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-6)
