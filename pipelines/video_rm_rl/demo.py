@@ -53,19 +53,21 @@ def greedy_colour_correct(module, processor, rows: list[dict], codec, path: str)
 
 
 def rm_true_colour_first(rm_dir: str, pairs_path: str) -> float:
-    """Share of the videos of ``pairs_path`` on which the RM scores the true colour above every other colour:
-    what the policy needs from it (pairwise accuracy alone hid an RM that scored r, g and b the same)."""
+    """Share of the videos of ``pairs_path`` on which the RM scores the true colour above every other colour
+    and above the empty answer: what the policy needs from it (pairwise accuracy alone hid an RM that scored
+    r, g and b the same; an RM that had never seen the empty answer scored it near the true colour, and RL
+    found it)."""
     from pipelines.video_rm_rl.task import COLOURS
     from streamrft.rm.data import read_preference_pairs
     from streamrft.rm.model import ScalarRewardModel
 
     rm = ScalarRewardModel.from_pretrained(rm_dir)
-    videos = {p.media[0].path: p for p in read_preference_pairs(pairs_path, rm.media)}
-    colours = list(COLOURS)
+    videos = {p.media[0].path: p for p in read_preference_pairs(pairs_path, rm.media) if not p.tie}
+    answers = [*COLOURS, ""]
     hits = 0
     for p in videos.values():
-        scores = rm.score([p.prompt] * len(colours), colours, media=[p.media] * len(colours))
-        hits += colours[max(range(len(colours)), key=scores.__getitem__)] == p.chosen
+        scores = rm.score([p.prompt] * len(answers), answers, media=[p.media] * len(answers))
+        hits += answers[max(range(len(answers)), key=scores.__getitem__)] == p.chosen
     return hits / len(videos)
 
 

@@ -34,18 +34,22 @@ def video_inputs(processor, examples) -> list[dict]:
 
 
 def warm_up(base: str, out: str, steps: int, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
-            data_seed: int = 1000) -> float:
-    """Supervised warm-up of the policy on fresh examples; saves to ``out``; returns the last loss."""
+            data_seed: int = 1000, pool: int = 512) -> float:
+    """Supervised warm-up on batches drawn from ``pool`` examples processed once (the processor, not the
+    model, is most of a step's CPU time); saves to ``out``; returns the last loss."""
     torch.manual_seed(seed)
     model, processor, _ = load_multimodal_policy(base)
     tok = processor.tokenizer
+    examples = make_examples(min(pool, steps * batch_size), seed=data_seed)
+    inputs = video_inputs(processor, examples)
+    targets = [tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, c in examples]
+    order = torch.Generator().manual_seed(data_seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     loss = torch.tensor(float("nan"))
-    for step in range(steps):
-        examples = make_examples(batch_size, seed=data_seed + step)
-        batch = collate_prompts(video_inputs(processor, examples), tok.pad_token_id)
-        targets = [tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, c in examples]
-        logp_BT, mask_BT = response_logprobs_batch(model, batch, targets)
+    for _ in range(steps):
+        pick = torch.randperm(len(examples), generator=order)[:batch_size].tolist()
+        batch = collate_prompts([inputs[i] for i in pick], tok.pad_token_id)
+        logp_BT, mask_BT = response_logprobs_batch(model, batch, [targets[i] for i in pick])
         loss = -(logp_BT * mask_BT).sum() / mask_BT.sum()
         opt.zero_grad()
         loss.backward()

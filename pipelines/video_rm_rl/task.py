@@ -84,9 +84,11 @@ def write_split(out_dir: str, name: str, n: int, seed: int, pairs: bool = False)
     """``n`` examples as mp4 files under out_dir/videos/<name>/ and rows in out_dir/<name>.jsonl; returns its path.
 
     RL rows: {"prompt", "reference", "video"}. ``pairs``: preference rows for the RM
-    {"prompt", "chosen", "rejected", "video"}, one per other colour and one malformed response (4 per
-    video): with one random rejected colour per video the RM ranked the pairs it saw (86 %) but picked the
-    true colour of only 57 % of the videos, and the policy learned to say the colour it scored highest
+    {"prompt", "chosen", "rejected", "video"}, one per other colour, the empty response and one malformed
+    response (5 per video). The empty response (the policy stops at once) is what RL found when the RM had
+    never seen it: it scored 5.3 on red videos (true colour 7.4, wrong colours -6), so the policy answered
+    nothing everywhere (colour_correct 0.57 -> 0.29). With one random rejected colour per video the RM
+    ranked the pairs it saw (86 %) but picked the true colour of only 57 % of the videos, and the policy learned to say the colour it scored highest
     everywhere; without malformed rejections, RL raised the RM score (3.3 -> 6.1) while colour_correct
     fell (0.52 -> 0.29), responses the RM never saw being one way to score high."""
     video_dir = Path(out_dir) / "videos" / name
@@ -101,6 +103,10 @@ def write_split(out_dir: str, name: str, n: int, seed: int, pairs: bool = False)
             if not pairs:
                 f.write(json.dumps({**row, "reference": colour}) + "\n")
                 continue
-            for other in [c for c in COLOURS if c != colour] + [malformed(rng)]:
+            rejected = [c for c in COLOURS if c != colour] + ["", malformed(rng)]
+            for other in rejected:
                 f.write(json.dumps({**row, "chosen": colour, "rejected": other}) + "\n")
+            rng.shuffle(rejected)
+            for a, b in zip(rejected, rejected[1:]):  # a chain of ties: every wrong answer equally wrong
+                f.write(json.dumps({**row, "chosen": a, "rejected": b, "tie": True}) + "\n")
     return str(path)
