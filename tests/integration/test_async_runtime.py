@@ -51,9 +51,18 @@ def test_colocated_staleness_0_reproduces_the_step_loop_losses_bitwise(warm_arit
     assert [float(r["grad_norm"]).hex() for r in got] == FIXTURE["grad_norm_hex"]
 
 
-def test_staleness_1_trains_one_version_behind_and_never_more(warm_arith, tmp_path):
-    out = tmp_path / "run"
-    train(warm_arith, out, "rollout.max_staleness=1", f"sinks.jsonl={out / 'traj'}")
+@pytest.fixture(scope="module")
+def staleness_1_run(warm_arith, tmp_path_factory) -> Path:
+    """One 5-step run at staleness 1 with trajectory records and recorded batches: the staleness test reads its
+    records, the replay test replays it (one run instead of two, ~8 s of the suite)."""
+    out = tmp_path_factory.mktemp("staleness_1") / "run"
+    train(warm_arith, out, "rollout.max_staleness=1", f"sinks.jsonl={out / 'traj'}", "train.record_batches=true",
+          "data.eval_path=")
+    return out
+
+
+def test_staleness_1_trains_one_version_behind_and_never_more(staleness_1_run):
+    out = staleness_1_run
     rows = steps(out)
     assert rows[0]["versions_behind_max"] == 0  # step 1 can only use version 0
     assert max(r["versions_behind_max"] for r in rows) == 1
@@ -74,9 +83,8 @@ def test_prompts_per_step_600_with_capacity_256_runs(warm_arith, tmp_path):
     assert summary["samples_admitted"] == summary["samples_trained"] == 2400
 
 
-def test_replay_of_a_recorded_run_is_bitwise(warm_arith, tmp_path):
-    out = tmp_path / "run"
-    train(warm_arith, out, "rollout.max_staleness=1", "train.record_batches=true", "data.eval_path=")
+def test_replay_of_a_recorded_run_is_bitwise(staleness_1_run):
+    out = staleness_1_run
     index = [json.loads(line) for line in (out / "batches" / "index-rank0.jsonl").read_text().splitlines()]
     assert [row["step"] for row in index] == [1, 2, 3, 4, 5]
     assert all(len(row["samples"]) == 128 for row in index)
