@@ -62,7 +62,7 @@ LORA = dict(r=16, alpha=32, targets=("q_proj", "k_proj", "v_proj", "o_proj", "ga
 SYSTEM_OVERRIDES = {
     "lora": [f"model.lora_rank={LORA['r']}", f"model.lora_alpha={LORA['alpha']}",
              f"model.lora_target_modules=[{','.join(LORA['targets'])}]"],
-    "offload": ["train.optimizer_offload=true", "model.gradient_checkpointing=true"],
+    "fullft": ["train.optimizer_offload=true", "model.gradient_checkpointing=true"],
 }
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 # async on one GPU: the engine process's share of the device memory (weights, concatenated weights, static KV
@@ -393,7 +393,7 @@ def run_trl(size: str, wl: dict, out: Path, steps: int, lora: bool = False) -> d
 
 
 # ---------------------------------------------------------------- table -----------------------------
-STREAMRFT_KINDS = ("streamrft", "async", "eager", "lora", "offload")  # worker kinds run by run_streamrft
+STREAMRFT_KINDS = ("streamrft", "async", "eager", "lora", "fullft")  # worker kinds run by run_streamrft
 TRL_KINDS = ("trl", "trl-lora")
 
 
@@ -476,7 +476,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--sizes", default="0.5b,1.5b")
     ap.add_argument("--systems", default="streamrft,trl,eager",
-                    help="streamrft, async, eager, trl; lora, trl-lora (LoRA of every linear, r=16); offload (full "
+                    help="streamrft, async, eager, trl; lora, trl-lora (LoRA of every linear, r=16); fullft (full "
                          "fine-tuning, AdamW state in host memory)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
