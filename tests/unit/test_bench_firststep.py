@@ -77,3 +77,34 @@ def test_stamps_time_functions_methods_and_constructors():
     with pytest.raises(KeyError):
         holder.f()
     assert len(st.calls["boom"]) == 1  # a failed call is still timed
+
+
+@pytest.mark.slow
+def test_a_tiny_run_reports_every_part_of_its_first_step(tmp_path):
+    """gpu_grpo.py --tiny end to end (one StreamRFT run, a variant with no overrides): the result holds the
+    breakdown, the parts that exist on a CPU are measured, CUDA-only ones are None, and the tables are written."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "benchmarks" / "gpu_grpo.py"), "--tiny", "--systems", "streamrft", "--steps",
+           "2", "--variants", "base", "--out", str(tmp_path / "out"), "--report-dir", str(tmp_path / "rep")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "res_tiny_streamrft-base.json").read_text())
+    assert "error" not in res, res.get("error")
+    fs = res["first_step"]
+    assert {k for _, k in COLUMNS} <= set(fs)
+    measured = ["process_start_s", "imports_s", "validate_s", "model_load_s", "engine_build_s", "build_other_s",
+                "loop_start_s", "first_rollout_s", "steady_rollout_s", "decoder_init_first_s", "first_train_s",
+                "steady_train_s", "first_weight_sync_s", "first_step_s", "launch_to_first_step_s"]
+    assert all(fs[k] is not None and fs[k] >= 0 for k in measured), {k: fs[k] for k in measured}
+    assert fs["capture_first_s"] is None  # no CUDA graphs on a CPU
+    parts = fs["process_start_s"] + fs["imports_s"] + fs["validate_s"] + fs["build_run_s"] + fs["first_train_s"]
+    assert fs["launch_to_first_step_s"] >= parts
+    assert res["cache"] == "cold" and res["variant"] == "base" and res["steps"] == 2
+    table = (tmp_path / "rep" / "table.txt").read_text()
+    assert "memory options (--variants)" in table and "first step, seconds" in table
+    assert json.loads((tmp_path / "rep" / "results.json").read_text())["tiny_streamrft-base"]["system"] == \
+        "streamrft-base"
