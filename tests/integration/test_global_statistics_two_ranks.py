@@ -25,12 +25,23 @@ def test_two_ranks_match_one_rank_with_reinforce_pp_whitening_and_running_norm(a
     one, two = tmp_path / "one", tmp_path / "two"
     extra = ["algorithm.advantage_estimator=reinforce++", "algorithm.reward_running_norm=true",
              "rollout.n_samples_per_prompt=4", "algorithm.offpolicy_mask=token"]
-    subprocess.run([sys.executable, "-m", "streamrft.cli", "train", str(CONFIG), *arith_overrides(arith_dir, one, *extra)],
-                   check=True, env=env_one_thread(), timeout=300, cwd=REPO, capture_output=True)
-    env = dict(env_one_thread(), NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
-    proc = subprocess.run([str(REPO / "launch" / "colocate.sh"), str(CONFIG), *arith_overrides(arith_dir, two, *extra)],
-                          env=env, timeout=300, cwd=REPO, capture_output=True, text=True)
+    # the one-rank run beside the two-rank one: independent runs, and it would leave a core idle while it runs alone
+    log = tmp_path / "one.log"  # a file, not a pipe: nobody reads a pipe while the two-rank run is going
+    with log.open("w") as f:
+        single = subprocess.Popen([sys.executable, "-m", "streamrft.cli", "train", str(CONFIG),
+                                   *arith_overrides(arith_dir, one, *extra)],
+                                  env=env_one_thread(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        env = dict(env_one_thread(), NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+        proc = subprocess.run([str(REPO / "launch" / "colocate.sh"), str(CONFIG), *arith_overrides(arith_dir, two, *extra)],
+                              env=env, timeout=300, cwd=REPO, capture_output=True, text=True)
+        single.wait(timeout=300)
+    finally:
+        if single.poll() is None:
+            single.kill()
+            single.wait(10)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert single.returncode == 0, log.read_text()[-3000:]
     a, b = first_step(one), first_step(two)
     assert b["train_sequences"] == a["train_sequences"]
     assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-9)
