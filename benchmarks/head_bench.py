@@ -3,8 +3,9 @@
 For N response rows of hidden size H and a vocabulary of V (no bias, entropy on, temperature 0.7, upstream
 gradients on both outputs), each kernel runs ``--repeats`` forward+backward passes per chunk size; the
 table gives the best time (the minimum: on a shared machine other work only adds), the model TFLOP/s
-(6 N H V: forward, dh, dW; the recompute matmul is not counted), the peak memory above the inputs (gradient buffers included, they are the same for both), and
-the ratios fused / checkpoint, at equal chunks and at each kernel's default chunk (logprobs.DEFAULT_CHUNK).
+(6 N H V: forward, dh, dW; the recompute matmul is not counted), the peak memory above the inputs
+(gradient buffers included, they are the same for both), and the ratios fused / checkpoint, at equal
+chunks and at each kernel's default chunk (logprobs.DEFAULT_CHUNK).
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU each case runs in a child process with
 ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB (every large block is mmapped and given back on free, so the
@@ -152,7 +153,8 @@ def main() -> None:
         for chunk in chunks:
             f, c = rows["fused", chunk], rows["checkpoint", chunk]
             print(f"chunk {chunk}: fused/checkpoint time {f['time_s'] / c['time_s']:.3f}, "
-                  f"peak {f['peak_bytes'] / c['peak_bytes']:.3f}; |dW| sums {f['w_grad_sum']:.6g} / {c['w_grad_sum']:.6g}")
+                  f"peak {f['peak_bytes'] / c['peak_bytes']:.3f}; "
+                  f"|dW| sums {f['w_grad_sum']:.6g} / {c['w_grad_sum']:.6g}")
         f, c = rows["fused", DEFAULT_CHUNK["fused"]], rows["checkpoint", DEFAULT_CHUNK["checkpoint"]]
         print(f"defaults (fused {DEFAULT_CHUNK['fused']}, checkpoint {DEFAULT_CHUNK['checkpoint']}): "
               f"fused/checkpoint time {f['time_s'] / c['time_s']:.3f}, peak {f['peak_bytes'] / c['peak_bytes']:.3f}")

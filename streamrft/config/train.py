@@ -27,7 +27,7 @@ class TrainConfig(Section):
     eval_every: int = 0  # evaluate every N steps; 0 = before and after only
     log_every: int = 1
     compile_head: bool = True  # torch.compile the chunked LM-head log-prob/entropy (CUDA only; CPU runs eagerly)
-    head_kernel: Literal["fused", "checkpoint"] = "fused"  # LM-head log-prob/entropy backward: fused (analytic, recomputes only the head matmul, 4096-row chunks) or checkpoint (autograd over each recomputed 1024-row chunk)
+    head_kernel: Literal["fused", "checkpoint"] = "fused"  # LM-head log-prob/entropy: fused (analytic backward, 4096-row chunks) or checkpoint (autograd, 1024-row chunks)
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise resume checks
     record_batches: bool = False  # save every step's batch under output_dir/batches/ for `streamrft replay`
     # fsdp2: AdamW's exp_avg/exp_avg_sq in pinned host memory, streamed through the device one parameter at a time

@@ -91,7 +91,7 @@ def chunk_grad_logits(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch
     """dZ (the gradient of the raw head output, module docstring) of one chunk, in the weight's dtype.
 
     Two spellings of one formula. Eagerly, in-place ops keep the peak at two float32 (chunk, V) blocks
-    (log p, then p which becomes dZ) and the one-hot term is a scatter of N values. Under torch.compile
+    (log p, then p which becomes dZ) and the one-hot term is an indexed update of N values. Under torch.compile
     everything is pointwise (the one-hot as ``column == target``), so inductor emits a single kernel
     that reads the head output and writes dZ in the weight's dtype, with no float32 block at all."""
     logp_NV = _scaled_logits(h_nH, weight_VH, bias_V, inv_temperature, banned_V).sub_(lse_N.unsqueeze(-1))
@@ -113,7 +113,10 @@ def chunk_grad_logits(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch
     else:
         dz_NV = p_NV.mul_(g_logp_N1).neg_()
     del logp_NV
-    dz_NV.scatter_add_(-1, target_N.unsqueeze(-1), g_logp_N1.to(dz_NV.dtype))  # + g_logp [j = y]
+    # + g_logp [j = y]: one element per row, as an index_put without accumulation (deterministic on CUDA
+    # under train.deterministic, where scatter_add_ may refuse to run)
+    rows_N = torch.arange(target_N.shape[0], device=target_N.device)
+    dz_NV.index_put_((rows_N, target_N), dz_NV[rows_N, target_N] + g_logp_N)
     if banned_V is not None:  # a constant fill has no gradient, target or not
         dz_NV.masked_fill_(banned_V, 0.0)
     return dz_NV.mul_(inv_temperature).to(weight_VH.dtype)

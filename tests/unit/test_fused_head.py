@@ -277,7 +277,8 @@ def test_one_learner_step_fused_equals_checkpoint(dist, tmp_path):
         assert strat.module.config.tie_word_embeddings
         loss = sum(strat.forward_backward(mb, loss_fn, 0.9, with_entropy=True)["loss"] for mb in mbs)
         out = strat.step()
-        sd = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in strat.module.state_dict().items()}
+        sd = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+              for k, v in strat.module.state_dict().items()}
         results[kernel] = (loss, out["grad_norm"], sd)
     (l_c, n_c, sd_c), (l_f, n_f, sd_f) = results["checkpoint"], results["fused"]
     assert math.isfinite(l_f) and n_f > 0
