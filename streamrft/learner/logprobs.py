@@ -29,8 +29,9 @@ from torch.utils.checkpoint import checkpoint
 from streamrft.config.train import HEAD_KERNELS
 from streamrft.learner.fused_head import fused_logp_entropy
 
-# rows per chunk when the caller gives none: the fused backward holds ~2 float32 (chunk, V) blocks, the
-# checkpointed one more (benchmarks/head_bench.py measures both), so fused takes more rows per chunk
+# rows per chunk when the caller gives none. Eagerly the fused kernel peaks at ~2 float32 (chunk, V) blocks
+# and the checkpointed one at ~5 (benchmarks/head_bench.py, CPU: 2.1 vs 5.1); compiled, fused holds the head
+# output and dZ in bf16. Larger chunks mean fewer, larger GEMMs; 4096 is the guess until the GPU sweep
 DEFAULT_CHUNK = {"fused": 4096, "checkpoint": 1024}
 
 
