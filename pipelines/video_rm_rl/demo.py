@@ -92,6 +92,7 @@ def run_demo(out: str = DEFAULT_OUT, overrides: list[str] = (), rm_overrides: li
     from streamrft.rm.config import load_rm_config
 
     prepare(out, **(prepare_kwargs or {}))
+    prepared = time.perf_counter()
     rm_cfg = load_rm_config(HERE / "rm.yaml", [f"output_dir={out}/rm", f"model.path={out}/rm_base",
                                                f"data.train_path={out}/rm_train.jsonl",
                                                f"data.eval_path={out}/rm_eval.jsonl", *rm_overrides])
@@ -101,6 +102,7 @@ def run_demo(out: str = DEFAULT_OUT, overrides: list[str] = (), rm_overrides: li
         train_srm(rm_cfg)
     rm_acc = evaluate_rm(rm_cfg.output_dir, rm_cfg.data.eval_path)["pairwise_accuracy"]
     rm_first = rm_true_colour_first(rm_cfg.output_dir, rm_cfg.data.eval_path)
+    rm_done = time.perf_counter()
 
     from streamrft.compose import build_run
     from streamrft.config import validate_config
@@ -126,7 +128,8 @@ def run_demo(out: str = DEFAULT_OUT, overrides: list[str] = (), rm_overrides: li
     result = {"rm_pairwise_accuracy": rm_acc, "rm_true_colour_first": rm_first, "rm_score_before": summary["heldout_reward_mean_before"],
               "rm_score_after": summary["heldout_reward_mean_after"], "colour_correct_before": before,
               "colour_correct_after": after, "steps": summary["steps"], "n_eval": len(rows),
-              "seconds": time.perf_counter() - started}
+              "seconds": time.perf_counter() - started, "prepare_seconds": prepared - started,
+              "rm_seconds": rm_done - prepared}
     print("video-rm-rl: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()),
           flush=True)
     return result

@@ -1,4 +1,4 @@
-"""Synthetic videos for CPU: an 8x8 square of one of four colours slides across a 16x16 black frame for 4
+"""Synthetic videos for CPU: an 8x8 square of one of four colours slides across a 16x16 black frame for 2
 frames (2 pixels a frame, a random way); the answer is the square's colour: "r" (red), "g" (green),
 "b" (blue) or "w" (white). Pure colours, one channel each or all three: with yellow (red + green) instead
 of white the tiny RM confused red, green and yellow.
@@ -23,7 +23,7 @@ import numpy as np
 ALPHABET = "rgbwcolu? "
 PROMPT = "colour?"
 COLOURS = {"r": (255, 0, 0), "g": (0, 255, 0), "b": (0, 0, 255), "w": (255, 255, 255)}
-SIZE, SQUARE, STEP, FRAMES = 16, 8, 2, 4
+SIZE, SQUARE, STEP, FRAMES = 16, 8, 2, 2  # 2 frames: one temporal patch; 4 doubled every stage's CPU time
 _WAYS = ((0, -1), (0, 1), (-1, 0), (1, 0))  # (rows, cols) per step: left, right, up, down
 
 

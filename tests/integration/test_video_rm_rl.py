@@ -1,18 +1,17 @@
 """pipelines/video_rm_rl on CPU: mp4 videos through the `streamrft train` runtime, and the demo's acceptance.
 
-- ``test_video_files_train_through_the_runtime_on_policy`` (slow, always on): two GRPO steps on mp4 rows; the
+- ``test_video_files_train_through_the_runtime_on_policy`` (slow): two GRPO steps on mp4 rows; the
   Generator decodes each file, the learner re-decodes it from its MediaRef (hash-checked, same frame
   sampling), and the first step's importance ratio is 1.
-- ``test_video_rm_rl_raises_the_heldout_rm_score_and_the_rule_metric`` (issue 19 acceptance): opt-in with
-  STREAMRFT_VIDEO_RM_RL=1 (about 3-4 minutes) because it does not pass yet: the RM is now right (pairwise 1.00,
-  true colour first on all held-out videos, asserted below), the held-out RM score rises (0.67 -> 1.84), but
-  the 20-step policy's colour_correct falls (0.57 -> 0.29); see docs/multimodal.md."""
+- ``test_video_rm_rl_raises_the_heldout_rm_score_and_the_rule_metric`` (slow, issue 19 acceptance): the whole
+  demo at its defaults (prepare, train-rm, 20 GRPO steps of 8 prompts x 8 samples against the RM), about
+  2 minutes on CPU. Measured: held-out RM score -0.43 -> 0.87, greedy colour_correct 0.67 -> 1.00 on 100
+  held-out videos; see docs/multimodal.md for what failed before and why."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 
@@ -46,18 +45,20 @@ def test_video_files_train_through_the_runtime_on_policy(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("STREAMRFT_VIDEO_RM_RL") != "1",
-                    reason="issue 19 acceptance, not met yet (see the module docstring); STREAMRFT_VIDEO_RM_RL=1 runs it")
 def test_video_rm_rl_raises_the_heldout_rm_score_and_the_rule_metric(tmp_path):
     from pipelines.video_rm_rl.demo import run_demo
 
-    result = run_demo(str(tmp_path / "run"), ["train.max_steps=30", "data.eval_size=100"],
-                      prepare_kwargs=dict(n_train=480, n_eval=100))
-    assert result["steps"] == 30 and result["n_eval"] == 100
-    assert result["rm_pairwise_accuracy"] >= 0.8, result  # the RM sees the video: chance is 0.5
-    # what the policy needs: the true colour above the other three (lr 3e-3 gave 0.53 with pairwise 0.84)
+    result = run_demo(str(tmp_path / "run"))
+    assert result["steps"] == 20 and result["n_eval"] == 100
+    assert result["rm_pairwise_accuracy"] >= 0.9, result  # the RM sees the video: chance is 0.5
+    # what the policy needs: the true colour above the other three and the empty answer on every video
     assert result["rm_true_colour_first"] >= 0.9, result
-    assert result["rm_score_after"] > result["rm_score_before"] + 0.1, result
-    assert result["colour_correct_after"] >= result["colour_correct_before"] + 0.05, result
-    first = json.loads((tmp_path / "run" / "rl" / "steps.jsonl").read_text().splitlines()[0])
-    assert abs(first["ratio_mean"] - 1.0) < 1e-3, first
+    # measured twice: RM score -0.43 -> 0.87, colour_correct 0.67 -> 1.00 (the start is fixed by the seeds)
+    assert result["rm_score_after"] > result["rm_score_before"] + 0.5, result
+    assert result["colour_correct_after"] >= result["colour_correct_before"] + 0.15, result
+    rl = tmp_path / "run" / "rl" / "steps.jsonl"
+    steps = [json.loads(line) for line in rl.read_text().splitlines()]
+    assert abs(steps[0]["ratio_mean"] - 1.0) < 1e-3, steps[0]
+    # the sampled rule metric (never trained on: weight 0) rises too, not only the greedy one
+    first, last = (sum(s["reward_mean/colour_correct"] for s in part) / 5 for part in (steps[:5], steps[-5:]))
+    assert last > first + 0.1, (first, last)
