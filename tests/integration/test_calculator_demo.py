@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 CONFIG = Path(__file__).resolve().parents[2] / "pipelines" / "calculator" / "config.yaml"
+STEPS = 10
 
 
 @pytest.mark.slow
@@ -20,10 +21,12 @@ def test_calculator_demo_learns_to_call_the_tool(tmp_path):
     from pipelines.calculator.demo import run_demo
 
     out = tmp_path / "calculator"
+    # 10 RL steps: 0.45 -> 0.80 measured, as with 20 (0.78-0.80); the 1000-step warm-up (config.yaml) stays: after
+    # 700 steps the model starts at 0.54 and RL adds only 14-15 points, after 400 it cannot use the results
     result = run_demo(str(CONFIG), [f"model.path={out}/sft", f"data.train_path={out}/train.jsonl",
-                                    f"output_dir={out}/rl", "train.max_steps=20"], n_eval=100)
+                                    f"output_dir={out}/rl", f"train.max_steps={STEPS}"], n_eval=100)
     before, after = result["before"], result["after"]
-    assert result["steps"] == 20 and before["n"] == after["n"] == 100
+    assert result["steps"] == STEPS and before["n"] == after["n"] == 100
     assert after["accuracy"] >= before["accuracy"] + 0.15, result
     assert after["tool_call_rate"] > before["tool_call_rate"], result
     # Step 1 is on-policy: the learner's log-probs of the model tokens equal the engine's (observation tokens
