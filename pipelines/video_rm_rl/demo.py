@@ -13,9 +13,10 @@ never trained on), before and after RL:
 - ``heldout_rm_score``: the driver's own held-out evaluation (greedy responses scored by the sources; with
   colour_correct at weight 0 this is the RM's mean score);
 - ``colour_correct``: greedy exact match against the true colour (``task.colour_correct``), the rule metric
-  the RM's preferences encode, measured on the policy module itself.
+  the RM's preferences encode, measured on the policy module itself;
+- ``colour_correct_sampled``: the same over SAMPLES samples per video at the RL temperature (fixed seeds).
 The last line is machine-readable:
-    video-rm-rl: rm_pairwise_accuracy=.. rm_true_colour_first=.. rm_score_before=.. rm_score_after=.. colour_correct_before=.. colour_correct_after=.. steps=N seconds=S
+    video-rm-rl: rm_pairwise_accuracy=.. rm_true_colour_first=.. rm_score_before=.. rm_score_after=.. colour_correct_before=.. colour_correct_after=.. colour_correct_sampled_before=.. colour_correct_sampled_after=.. steps=N ...
 """
 
 from __future__ import annotations
@@ -33,23 +34,28 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = "runs/video_rm_rl"
+SAMPLES = 8  # per held-out video for colour_correct_sampled (the RL rollout's n_samples_per_prompt)
 
 
-def greedy_colour_correct(module, processor, rows: list[dict], codec, path: str) -> float:
-    """Mean colour_correct of greedy (top_k=1) responses to ``rows``, videos decoded as the runtime does."""
+def greedy_colour_correct(module, processor, rows: list[dict], codec, path: str, samples: int = 0,
+                          temperature: float = 1.0) -> float:
+    """Mean colour_correct of greedy (top_k=1) responses to ``rows``, videos decoded as the runtime does;
+    with ``samples`` > 0, of that many samples per row at ``temperature`` instead (fixed seeds, the same
+    before and after RL). Greedy answers depend on the square's colour only, so the greedy number moves in
+    steps of one colour's share; the sampled one is the rule metric's expectation under the policy."""
     from pipelines.video_rm_rl.task import colour_correct
     from pipelines.visual_count.common import generate
     from streamrft.config.engine import EngineConfig
     from streamrft.engines.hf import HFEngine
 
     tok = processor.tokenizer
-    engine = HFEngine(module, EngineConfig(top_k=1, max_new_tokens=2), [tok.eos_token_id], tok.pad_token_id,
-                      torch.device("cpu"))
+    how = EngineConfig(temperature=temperature, max_new_tokens=2) if samples else EngineConfig(top_k=1, max_new_tokens=2)
+    engine = HFEngine(module, how, [tok.eos_token_id], tok.pad_token_id, torch.device("cpu"))
     inputs = [codec.inputs(r["prompt"], codec.refs(SimpleNamespace(row=i, extra=r), path), f"{path} row {i}")
               for i, r in enumerate(rows)]
-    samples, index = generate(engine, inputs, 1, 0)
+    outs, index = generate(engine, inputs, max(1, samples), 0)
     return sum(colour_correct(tok.decode(s.response_ids, skip_special_tokens=True), rows[i]["reference"])
-               for s, i in zip(samples, index)) / len(rows)
+               for s, i in zip(outs, index)) / len(outs)
 
 
 def rm_true_colour_first(rm_dir: str, pairs_path: str) -> float:
@@ -120,14 +126,20 @@ def run_demo(out: str = DEFAULT_OUT, overrides: list[str] = (), rm_overrides: li
         run = build_run(cfg, dist)
         processor = run.strategy.processor
         codec = MediaCodec.from_config(processor, cfg.data)
-        before = greedy_colour_correct(run.engine.module, processor, rows, codec, cfg.data.eval_path)
+        def measure():
+            return (greedy_colour_correct(run.engine.module, processor, rows, codec, cfg.data.eval_path),
+                    greedy_colour_correct(run.engine.module, processor, rows, codec, cfg.data.eval_path,
+                                          SAMPLES, cfg.engine.temperature))
+
+        before, sampled_before = measure()
         summary = asyncio.run(train_loop(run))
-        after = greedy_colour_correct(run.engine.module, processor, rows, codec, cfg.data.eval_path)
+        after, sampled_after = measure()
     finally:
         destroy_distributed()
     result = {"rm_pairwise_accuracy": rm_acc, "rm_true_colour_first": rm_first, "rm_score_before": summary["heldout_reward_mean_before"],
               "rm_score_after": summary["heldout_reward_mean_after"], "colour_correct_before": before,
-              "colour_correct_after": after, "steps": summary["steps"], "n_eval": len(rows),
+              "colour_correct_after": after, "colour_correct_sampled_before": sampled_before,
+              "colour_correct_sampled_after": sampled_after, "steps": summary["steps"], "n_eval": len(rows),
               "seconds": time.perf_counter() - started, "prepare_seconds": prepared - started,
               "rm_seconds": rm_done - prepared}
     print("video-rm-rl: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()),

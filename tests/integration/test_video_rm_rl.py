@@ -56,6 +56,8 @@ def test_video_rm_rl_raises_the_heldout_rm_score_and_the_rule_metric(tmp_path):
     # measured with RL seeds 0-3: RM score -0.43 -> 0.50..0.87, colour_correct 0.67 -> 0.81..1.00
     assert result["rm_score_after"] > result["rm_score_before"] + 0.5, result
     assert result["colour_correct_after"] >= result["colour_correct_before"] + 0.1, result
+    # the same rule metric over 8 samples per held-out video: not quantised by colour like the greedy one
+    assert result["colour_correct_sampled_after"] > result["colour_correct_sampled_before"] + 0.1, result
     rl = tmp_path / "run" / "rl" / "steps.jsonl"
     steps = [json.loads(line) for line in rl.read_text().splitlines()]
     assert abs(steps[0]["ratio_mean"] - 1.0) < 1e-3, steps[0]
