@@ -46,6 +46,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,12 @@ class Checkpointer:
         self._group = None  # the gloo process group of the background writes (created at the first one)
         self.stage_seconds: float | None = None  # how long the newest save blocked the training thread
         self.wait_seconds = 0.0  # of which: waiting for the previous background write (a write slower than the steps between saves)
+        # A save asked with defer_complete: its meta.json waits for commit() (the training loop calls it once
+        # the step's steps.jsonl line and trajectories are written). Sync saves keep the _finish arguments here;
+        # async ones hand the background write an Event it waits on before meta.json.
+        self._deferred: tuple | None = None
+        self._commit_gate: threading.Event | None = None
+        self._abandoned = False
         # Test seam: called as write_hook(point, path) in the background write, point "shards" (before the
         # shards) or "meta" (after every shard, before meta.json): a delay, an error or a crash injected here.
         self.write_hook = None
@@ -193,16 +200,22 @@ class Checkpointer:
         barrier("checkpoint_set_aside_done")
 
     # ---- save ------------------------------------------------------------------------------------------
-    def step_done(self, step: int, policy_version: int) -> Path | None:
+    def step_done(self, step: int, policy_version: int, defer_complete: bool = False) -> Path | None:
         """Call right after train step ``step`` (1-based count of completed steps), before anything
         else changes state: snapshots per-rank state; saves every checkpoint.save_every steps and at
-        train.max_steps. Returns the checkpoint folder when one was written."""
+        train.max_steps. Returns the checkpoint folder when one was written.
+
+        ``defer_complete``: the checkpoint is marked complete (meta.json) only at ``commit()``, which the
+        training loop calls after writing the step's records. Otherwise a SIGKILL between the save and the
+        steps.jsonl line left a complete checkpoint of a step that was never logged: the resumed run went on
+        from the next step and that step's line was lost for good. Killed before ``commit()``, the resume
+        starts from the previous checkpoint and the step is trained and logged again, identically."""
         if self._background is not None:
             self._background.check()  # a previous background write that failed ends the run here
         self._snapshot = _Snapshot(step, policy_version, self._rank_state())
         every = self.cfg.checkpoint.save_every
         if (every and step % every == 0) or step == self.cfg.train.max_steps:
-            return self._save("final" if step == self.cfg.train.max_steps else "periodic")
+            return self._save("final" if step == self.cfg.train.max_steps else "periodic", defer_complete)
         if self._background is not None and not self._stagers:
             # async: allocate the host buffers now, in the background, so the first save only copies
             for name, obj in {"": self.strategy, **self.models}.items():
@@ -228,10 +241,14 @@ class Checkpointer:
                       f"({int(-both[1])}..{int(both[0])})")
             return None
         if step < 1 or step == self.saved_step:
-            self.wait()  # saved_step may still be in flight
+            # saved_step may still be in flight, and uncommitted when the signal cancelled the loop between the
+            # save and its step's records: complete it anyway (the state is trained; at most that one line is missing)
+            self.commit()
+            self.wait()
             return None if step < 1 else step_dir(self.cfg.output_dir, step)
         self.strategy.reshard_after_rollout()  # the signal may have come mid-rollout (no-op otherwise)
         path = self._save("signal")
+        self.commit()
         self.wait()  # the process exits next: the signal's checkpoint must be complete first
         self._say(f"saved {path} on signal")
         return path
@@ -241,27 +258,47 @@ class Checkpointer:
         state["rng"] = rng_state()
         return state
 
+    def commit(self) -> None:
+        """The records of the newest saved step are written: its checkpoint may be marked complete (rank 0
+        writes meta.json now, or the background write does once its shards are on disk)."""
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            self._finish(*deferred)
+        if self._commit_gate is not None:
+            self._commit_gate.set()
+
+    def _abandon_uncommitted(self) -> None:
+        """A deferred save that was never committed (the step failed before its records were written) stays
+        incomplete: no meta.json; resume removes the folder."""
+        self._deferred = None
+        if self._commit_gate is not None and not self._commit_gate.is_set():
+            self._abandoned = True
+            self._commit_gate.set()
+
     def wait(self) -> None:
         """Block until the asynchronous save in flight (if any) is complete; raise its error. Every rank
-        calls this before the process ends (the final and the signal save)."""
+        calls this before the process ends (the final and the signal save). A save still waiting for
+        ``commit()`` is left incomplete."""
+        self._abandon_uncommitted()
         if self._background is not None:
             self._background.wait()
 
-    def _save(self, reason: str) -> Path:
+    def _save(self, reason: str, defer_complete: bool = False) -> Path:
         snap = self._snapshot
         assert snap is not None
         path = step_dir(self.cfg.output_dir, snap.step)
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
         started = time.perf_counter()
+        self._abandon_uncommitted()  # the loop commits each save before the next step: none is left normally
         if self._background is not None:
             self._background.wait()  # one save in flight at most (and its error, if it failed, ends the run)
         self.wait_seconds = time.perf_counter() - started
         try:
             if self._background is None:
-                self._write(path, snap, reason)
+                self._write(path, snap, reason, defer_complete)
             else:
-                self._stage_and_submit(path, snap, reason, started)
+                self._stage_and_submit(path, snap, reason, started, defer_complete)
         except (Exception, CheckpointException) as exc:
             disk = write_failure(exc, path)
             if disk is None:
@@ -271,14 +308,19 @@ class Checkpointer:
         self.saved_step = snap.step
         return path
 
-    def _stage_and_submit(self, path: Path, snap: _Snapshot, reason: str, started: float) -> None:
+    def _stage_and_submit(self, path: Path, snap: _Snapshot, reason: str, started: float,
+                          defer_complete: bool = False) -> None:
         """The training thread's part of an async save: the rank file, then the state copied to host memory."""
         group = self._checkpoint_group()  # first: a collective, before anything that may fail on one rank only
         path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(rank_file(path, self.dist.rank), snap.rank_state)
         parts = {"": self.strategy, **self.models}
         staged = {name: self._stager(name).stage(obj.state_for_save()) for name, obj in parts.items()}
-        self._background.submit(path, lambda: self._write_staged(path, snap, reason, staged, group, started))
+        gate = threading.Event()
+        if not defer_complete:
+            gate.set()
+        self._commit_gate, self._abandoned = gate, False
+        self._background.submit(path, lambda: self._write_staged(path, snap, reason, staged, group, started, gate))
 
     def _stager(self, name: str):
         from streamrft.checkpoint.staging import HostStager
@@ -297,7 +339,8 @@ class Checkpointer:
             self._group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.checkpoint.save_timeout_s))
         return self._group
 
-    def _write_staged(self, path: Path, snap: _Snapshot, reason: str, staged: dict, group, started: float) -> None:
+    def _write_staged(self, path: Path, snap: _Snapshot, reason: str, staged: dict, group, started: float,
+                      gate: threading.Event) -> None:
         """The background thread's part: every shard, then (rank 0) meta.json. Errors come out as
         CheckpointSaveError / CheckpointWriteError naming the checkpoint and rank."""
         import torch.distributed.checkpoint as dcp
@@ -313,7 +356,15 @@ class Checkpointer:
                          process_group=group)
             self._hook("meta", path)
             if self.dist.rank == 0:
-                self._finish(path, snap, reason, started)
+                if not gate.wait(self.cfg.checkpoint.save_timeout_s):
+                    raise CheckpointSaveError(
+                        f"checkpoint {path}: its step's records were not written within checkpoint.save_timeout_s="
+                        f"{self.cfg.checkpoint.save_timeout_s:g} s of its shards; it has no meta.json, so the "
+                        "previous complete checkpoint stays the latest")
+                if not self._abandoned:
+                    self._finish(path, snap, reason, started)
+        except CheckpointSaveError:
+            raise
         except (Exception, CheckpointException) as exc:
             disk = write_failure(exc, path)
             if disk is not None:
@@ -330,7 +381,7 @@ class Checkpointer:
         if self.write_hook is not None:
             self.write_hook(point, path)
 
-    def _write(self, path: Path, snap: _Snapshot, reason: str) -> None:
+    def _write(self, path: Path, snap: _Snapshot, reason: str, defer_complete: bool = False) -> None:
         rank = self.dist.rank
         path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(rank_file(path, rank), snap.rank_state)
@@ -339,7 +390,10 @@ class Checkpointer:
         for name, model in self.models.items():
             model.save(str(path / name))
         if rank == 0:
-            self._finish(path, snap, reason, started)
+            if defer_complete:
+                self._deferred = (path, snap, reason, started)
+            else:
+                self._finish(path, snap, reason, started)
 
     def _finish(self, path: Path, snap: _Snapshot, reason: str, started: float) -> None:
         """Rank 0, after every rank's shards: HF files, config, then meta.json (complete), then rotation."""

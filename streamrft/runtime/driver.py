@@ -54,7 +54,8 @@ async def train_loop(run) -> dict[str, float]:
         _check_failures(run, step, batch, progress)  # failed counts printed; too many stop the run
         run.pipeline.step_trained(step)
         saving_started = time.perf_counter()
-        run.checkpointer.step_done(step + 1, policy_version=step + 1)  # saves every checkpoint.save_every steps
+        # saves every checkpoint.save_every steps; complete (meta.json) only at commit(), after the step's records
+        run.checkpointer.step_done(step + 1, policy_version=step + 1, defer_complete=True)
         stats["checkpoint_seconds"] = time.perf_counter() - saving_started  # async saves: the host copy only
         if run.checkpointer.saved_step == step + 1:  # saved now: the part that waited for the previous write
             stats["checkpoint_wait_seconds"] = run.checkpointer.wait_seconds
@@ -62,6 +63,7 @@ async def train_loop(run) -> dict[str, float]:
         _step_stats(run, batch, stats, step_started)
         _log_step(run, step, stats, progress)
         _write_trajectories(run, step, batch)
+        run.checkpointer.commit()  # the step is logged: its checkpoint (if it saved one) may be complete now
         if run.stop_requested:
             raise asyncio.CancelledError  # a signal arrived while the step trained: it is complete now
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and step + 1 < cfg.train.max_steps:

@@ -219,3 +219,27 @@ def test_the_checkpointer_prewarms_after_a_step_that_does_not_save(dist, model_d
     assert ckpt._stagers[""].bytes_allocated == 0 and ckpt._stagers[""].bytes_staged > 0
     ckpt.wait()
     assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 2)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_deferred_save_is_complete_only_after_commit_and_an_uncommitted_one_is_left_incomplete(
+        dist, model_dir, tmp_path, async_save):
+    """The training loop saves with defer_complete and commits after the step's steps.jsonl line: a process
+    killed in between must resume from the previous checkpoint (and log the step again), not skip the step."""
+    cfg = config(model_dir, tmp_path, save_every=1, async_save=async_save)
+    strategy, accounting, counter, ckpt = parts(cfg, dist)
+    ckpt.resume({"generator": counter})
+    train_step(strategy, accounting, counter, 1)
+    ckpt.step_done(1, policy_version=1, defer_complete=True)
+    time.sleep(0.5 if async_save else 0)  # the background write has every shard on disk by now, or soon
+    assert latest_checkpoint(tmp_path) is None  # shards, but no meta.json before commit
+    ckpt.commit()
+    ckpt.wait()
+    assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 1)
+    train_step(strategy, accounting, counter, 2)
+    ckpt.step_done(2, policy_version=2, defer_complete=True)
+    ckpt.wait()  # the step failed before its records: the save is left incomplete, and the wait does not hang
+    assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 1)
+    assert not (step_dir(tmp_path, 2) / "meta.json").exists()
+    _, _, counter_b, ckpt_b = parts(cfg, dist)
+    assert ckpt_b.resume({"generator": counter_b}).step == 1
