@@ -71,7 +71,8 @@ def write_mp4(frames: list[np.ndarray], path: Path, fps: int = 4) -> None:
 
     with av.open(str(path), "w", format="mp4") as container:
         stream = container.add_stream("libx264rgb", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = SIZE, SIZE, "rgb24"
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "rgb24"
         stream.options = {"qp": "0", "preset": "ultrafast"}
         for f in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):

@@ -196,7 +196,8 @@ def test_reward_stage_scores_a_completion_with_a_media_rm_source_from_its_refs(v
 def test_a_video_rm_scores_a_video_file_like_its_frame_list(vl, tmp_path):
     """Video rows (data.video_field): a list of frame images and the lossless mp4 of the same frames are the
     same model inputs, so they get the same reward; frames are capped by max_video_frames like in RL."""
-    av = pytest.importorskip("av")
+    pytest.importorskip("av")
+    from pipelines.video_rm_rl.task import write_mp4
     import numpy as np
     from PIL import Image
 
@@ -210,15 +211,7 @@ def test_a_video_rm_scores_a_video_file_like_its_frame_list(vl, tmp_path):
     for i, f in enumerate(frames):
         paths.append(str(tmp_path / f"f{i}.png"))
         Image.fromarray(f).save(paths[-1])
-    with av.open(str(tmp_path / "clip.mp4"), "w", format="mp4") as container:  # lossless: same pixels as the PNGs
-        stream = container.add_stream("libx264rgb", rate=4)
-        stream.width, stream.height, stream.pix_fmt = 16, 16, "rgb24"
-        stream.options = {"qp": "0", "preset": "ultrafast"}
-        for f in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+    write_mp4(frames, tmp_path / "clip.mp4")  # lossless: same pixels as the PNGs
     rows = [{"prompt": "way?", "chosen": "r", "rejected": "l", "video": paths},
             {"prompt": "way?", "chosen": "r", "rejected": "l", "video": str(tmp_path / "clip.mp4")}]
     (tmp_path / "v.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

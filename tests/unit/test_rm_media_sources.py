@@ -17,9 +17,10 @@ from PIL import Image
 
 from protocols import RewardItem, RewardReply, RewardRequest, decode, encode
 
-av = pytest.importorskip("av")
+pytest.importorskip("av")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from pipelines.video_rm_rl.task import write_mp4  # noqa: E402
 from pipelines.vision_srm.task import ALPHABET, write_media_pairs  # noqa: E402
 
 VIDEO = {"image_field": "", "video_field": "video", "audio_field": "", "max_video_frames": 4, "video_fps": 0.0}
@@ -38,15 +39,7 @@ def _clip(d: Path, name: str, rgb) -> tuple[str, list[str]]:
     for i, f in enumerate(frames):
         pngs.append(str(d / f"{name}{i}.png"))
         Image.fromarray(f).save(pngs[-1])
-    with av.open(str(d / f"{name}.mp4"), "w", format="mp4") as container:
-        stream = container.add_stream("libx264rgb", rate=4)
-        stream.width, stream.height, stream.pix_fmt = 16, 16, "rgb24"
-        stream.options = {"qp": "0", "preset": "ultrafast"}
-        for f in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+    write_mp4(frames, d / f"{name}.mp4")  # lossless: the same pixels as the PNGs
     return str(d / f"{name}.mp4"), pngs
 
 
