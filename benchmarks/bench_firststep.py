@@ -10,6 +10,7 @@ kernels' compile, the LM head's torch.compile) are not in any metric. ``Stamps``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import statistics
@@ -32,41 +33,38 @@ class Stamps:
     def mark(self, name: str, t: float | None = None) -> None:
         self.marks.setdefault(name, time.time() if t is None else t)
 
+    @contextlib.contextmanager
+    def _timed(self, key: str, sync: bool):
+        """One call of a wrapped callable: its start and end marks and its duration."""
+        if sync:
+            self.sync()
+        self.mark(f"{key}_start")
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if sync:
+                self.sync()
+            self.calls[key].append(time.perf_counter() - t0)
+            self.mark(f"{key}_end")
+
     def wrap(self, owner, attr: str, key: str, sync: bool = True) -> None:
         """Replace ``owner.attr`` by a timed version (sync or async function, or method on a class)."""
         fn = getattr(owner, attr)
-        stamps = self
+        timed_call = self._timed
 
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def timed_async(*a, **k):
-                if sync:
-                    stamps.sync()
-                stamps.mark(f"{key}_start")
-                t0 = time.perf_counter()
-                try:
+                with timed_call(key, sync):
                     return await fn(*a, **k)
-                finally:
-                    if sync:
-                        stamps.sync()
-                    stamps.calls[key].append(time.perf_counter() - t0)
-                    stamps.mark(f"{key}_end")
             setattr(owner, attr, timed_async)
             return
 
         @functools.wraps(fn)
         def timed(*a, **k):
-            if sync:
-                stamps.sync()
-            stamps.mark(f"{key}_start")
-            t0 = time.perf_counter()
-            try:
+            with timed_call(key, sync):
                 return fn(*a, **k)
-            finally:
-                if sync:
-                    stamps.sync()
-                stamps.calls[key].append(time.perf_counter() - t0)
-                stamps.mark(f"{key}_end")
         setattr(owner, attr, timed)
 
     def to_json(self) -> dict:
