@@ -46,12 +46,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from streamrft.checkpoint.background import BackgroundWriter, CheckpointSaveError
+from streamrft.checkpoint.completion import CompletionGate
 from streamrft.checkpoint.guard import check_compatible, check_mode, write_config
 from streamrft.checkpoint.layout import (
     loadable_checkpoints,
@@ -101,12 +101,10 @@ class Checkpointer:
         self._group = None  # the gloo process group of the background writes (created at the first one)
         self.stage_seconds: float | None = None  # how long the newest save blocked the training thread
         self.wait_seconds = 0.0  # of which: waiting for the previous background write (a write slower than the steps between saves)
-        # A save asked with defer_complete: its meta.json waits for commit() (the training loop calls it once
-        # the step's steps.jsonl line and trajectories are written). Sync saves keep the _finish arguments here;
-        # async ones hand the background write an Event it waits on before meta.json.
-        self._deferred: tuple | None = None
-        self._commit_gate: threading.Event | None = None
-        self._abandoned = False
+        # The newest save's gate (completion.py): its meta.json is written once the gate is committed (at once
+        # without defer_complete; else by commit(), which the training loop calls once the step's steps.jsonl
+        # line and trajectories are written), never when it is abandoned.
+        self._gate: CompletionGate | None = None
         # Test seam: called as write_hook(point, path) in the background write, point "shards" (before the
         # shards) or "meta" (after every shard, before meta.json): a delay, an error or a crash injected here.
         self.write_hook = None
@@ -261,19 +259,14 @@ class Checkpointer:
     def commit(self) -> None:
         """The records of the newest saved step are written: its checkpoint may be marked complete (rank 0
         writes meta.json now, or the background write does once its shards are on disk)."""
-        if self._deferred is not None:
-            deferred, self._deferred = self._deferred, None
-            self._finish(*deferred)
-        if self._commit_gate is not None:
-            self._commit_gate.set()
+        if self._gate is not None:
+            self._gate.commit()
 
     def _abandon_uncommitted(self) -> None:
         """A deferred save that was never committed (the step failed before its records were written) stays
-        incomplete: no meta.json; resume removes the folder."""
-        self._deferred = None
-        if self._commit_gate is not None and not self._commit_gate.is_set():
-            self._abandoned = True
-            self._commit_gate.set()
+        incomplete: no meta.json; resume removes the folder. A committed save is unaffected."""
+        if self._gate is not None:
+            self._gate.abandon()
 
     def wait(self) -> None:
         """Block until the asynchronous save in flight (if any) is complete; raise its error. Every rank
@@ -316,10 +309,9 @@ class Checkpointer:
         write_json_atomic(rank_file(path, self.dist.rank), snap.rank_state)
         parts = {"": self.strategy, **self.models}
         staged = {name: self._stager(name).stage(obj.state_for_save()) for name, obj in parts.items()}
-        gate = threading.Event()
+        gate = self._gate = self._new_gate(path)  # the background write waits on it before meta.json
         if not defer_complete:
-            gate.set()
-        self._commit_gate, self._abandoned = gate, False
+            gate.commit()
         self._background.submit(path, lambda: self._write_staged(path, snap, reason, staged, group, started, gate))
 
     def _stager(self, name: str):
@@ -340,7 +332,7 @@ class Checkpointer:
         return self._group
 
     def _write_staged(self, path: Path, snap: _Snapshot, reason: str, staged: dict, group, started: float,
-                      gate: threading.Event) -> None:
+                      gate: CompletionGate) -> None:
         """The background thread's part: every shard, then (rank 0) meta.json. Errors come out as
         CheckpointSaveError / CheckpointWriteError naming the checkpoint and rank."""
         import torch.distributed.checkpoint as dcp
@@ -355,14 +347,8 @@ class Checkpointer:
                 dcp.save(state, storage_writer=FileSystemWriter(target, thread_count=_WRITE_THREADS),
                          process_group=group)
             self._hook("meta", path)
-            if self.dist.rank == 0:
-                if not gate.wait(self.cfg.checkpoint.save_timeout_s):
-                    raise CheckpointSaveError(
-                        f"checkpoint {path}: its step's records were not written within checkpoint.save_timeout_s="
-                        f"{self.cfg.checkpoint.save_timeout_s:g} s of its shards; it has no meta.json, so the "
-                        "previous complete checkpoint stays the latest")
-                if not self._abandoned:
-                    self._finish(path, snap, reason, started)
+            if self.dist.rank == 0 and gate.wait():  # False: abandoned; a timeout raises CheckpointSaveError
+                self._finish(path, snap, reason, started)
         except CheckpointSaveError:
             raise
         except (Exception, CheckpointException) as exc:
@@ -389,11 +375,14 @@ class Checkpointer:
         self.strategy.save(str(path))  # a collective: returns on rank 0 once every rank's shards are written
         for name, model in self.models.items():
             model.save(str(path / name))
-        if rank == 0:
-            if defer_complete:
-                self._deferred = (path, snap, reason, started)
-            else:
-                self._finish(path, snap, reason, started)
+        # rank 0 completes it in the thread that commits: here, or in commit() when deferred
+        finish = (lambda: self._finish(path, snap, reason, started)) if rank == 0 else None
+        self._gate = self._new_gate(path, on_commit=finish)
+        if not defer_complete:
+            self._gate.commit()
+
+    def _new_gate(self, path: Path, on_commit=None) -> CompletionGate:
+        return CompletionGate(str(path), self.dist.rank, self.cfg.checkpoint.save_timeout_s, on_commit=on_commit)
 
     def _finish(self, path: Path, snap: _Snapshot, reason: str, started: float) -> None:
         """Rank 0, after every rank's shards: HF files, config, then meta.json (complete), then rotation."""
