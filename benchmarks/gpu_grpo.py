@@ -110,6 +110,24 @@ def micro_batch_tokens(wl: dict, micro_batch: int) -> int:
     return max(micro_batch * (wl["prompt_len"] + wl["median"]), wl["prompt_len"] + wl["new"])
 
 
+def learner_overrides(wl: dict, placement: str = "colocated") -> list[str]:
+    """The learner's settings of the benchmark (also benchmarks/learner_profile.py's, which trains alone)."""
+    mb = wl["async_micro_batch" if placement == "async" and "async_micro_batch" in wl else "micro_batch"]
+    return [
+        "model.dtype=bfloat16", "train.lr=1e-6",
+        f"train.micro_batch_tokens={micro_batch_tokens(wl, mb)}",
+        "algorithm.advantage_estimator=group_norm", "algorithm.policy_loss=ppo_clip", "algorithm.kl_coef=0.0",
+        # one GPU with room for both phases: keep the optimizer state on the device (TRL does not offload either)
+        *(["train.offload_between_phases=false"] if placement == "colocated" else []),
+    ]
+
+
+def write_reward_config(path: Path) -> None:
+    """The run's config file: the pseudo-random reward source (the rest are key=value overrides)."""
+    path.write_text("reward:\n  sources:\n    - name: rand\n      type: custom\n"
+                    f"      fn: {ROOT / 'benchmarks' / 'gpu_reward.py'}:random_reward\n")
+
+
 # ---------------------------------------------------------------- model + data ----------------------
 def build_model(size: str, wl: dict, out: Path, device: str) -> Path:
     import torch
@@ -183,17 +201,14 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     cache_dir = out / "compile_cache"  # shared by every StreamRFT run of the call: the first is cold
     cache = "warm" if _has_files(cache_dir) else "cold"
     overrides_all = [
-        f"output_dir={run_dir}", f"model.path={out / f'model_{size}'}", "model.dtype=bfloat16",
+        f"output_dir={run_dir}", f"model.path={out / f'model_{size}'}",
         f"data.train_path={out / f'data_{size}.jsonl'}", "data.eval_path=",
         f"engine.max_new_tokens={wl['new']}", "engine.ignore_eos=true", "engine.temperature=1.0",
         f"engine.max_batch_size={wl['prompts'] * wl['samples']}",
         f"engine.static_cache={'true' if fast else 'false'}",
         f"engine.cuda_graphs={'true' if fast and cuda else 'false'}",
         f"rollout.prompts_per_step={wl['prompts']}", f"rollout.n_samples_per_prompt={wl['samples']}",
-        f"train.max_steps={steps}", "train.lr=1e-6", f"train.micro_batch_tokens={micro_batch_tokens(wl, wl['async_micro_batch' if placement == 'async' and 'async_micro_batch' in wl else 'micro_batch'])}",
-        "algorithm.advantage_estimator=group_norm", "algorithm.policy_loss=ppo_clip", "algorithm.kl_coef=0.0",
-        # one GPU with room for both phases: keep the optimizer state on the device (TRL does not offload either)
-        *(["train.offload_between_phases=false"] if placement == "colocated" else []),
+        f"train.max_steps={steps}", *learner_overrides(wl, placement),
         f"rollout.placement={placement}",
         # async, one GPU overlapped: the engine process decodes while the learner trains (staleness <= 1),
         # holding at most this share of the GPU's memory (its weights, KV cache and graphs)
@@ -205,8 +220,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         *os.environ.get("STREAMRFT_BENCH_EXTRA", "").split(),  # extra key=value overrides for an experiment
     ]
     cfg_path = out / f"cfg_{size}_{tag}.yaml"
-    cfg_path.write_text("reward:\n  sources:\n    - name: rand\n      type: custom\n"
-                        f"      fn: {ROOT / 'benchmarks' / 'gpu_reward.py'}:random_reward\n")
+    write_reward_config(cfg_path)
     cfg = load_config(cfg_path, overrides_all)
     stamps.mark("config_loaded")
     if cuda and placement == "async":
