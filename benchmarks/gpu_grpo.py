@@ -243,7 +243,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     run = compose.build_run(cfg, dist)
     final_save = wl.get("final_save", True)
     if not final_save:  # 7B: a full checkpoint (fp32 + Adam, ~85 GiB) would not fit the GPU machine's disk
-        run.checkpointer.step_done = lambda step, policy_version: None
+        run.checkpointer.step_done = lambda step, policy_version, defer_complete=False: None
     if wl["kind"] == "longtail":
         from longtail import force_lengths
 
