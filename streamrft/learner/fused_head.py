@@ -17,9 +17,8 @@ so, with the 1/T of z's definition, the gradient of the head's raw output is
     dZ = (1/T) [ g_logp ([j = y] - p) - g_H p (log p + H) ]
 
 then dh = dZ W, dW = dZ^T h, db = sum_n dZ. Banned ids have p = 0 and get no gradient (their logit is a
-constant fill, as the checkpoint kernel's ``index_fill`` makes it), even when one is a target. (The
-checkpoint kernel's autograd multiplies g_H by log p = -3.4e38 at banned ids, which overflows to inf when
-|g_H| > 1 and gives nan; this backward has no such product.)
+constant fill, as the checkpoint kernel's ``index_fill`` makes it), even when one is a target. (This backward
+has no g_H * log p product, which overflows at banned ids; the checkpoint kernel masks its p = 0 entries.)
 
 Why a custom autograd Function instead of checkpointing the plain computation (``logprobs.py``'s
 ``checkpoint`` kernel): autograd recomputes the whole forward graph of each chunk in backward (cast, scale,

@@ -45,7 +45,15 @@ def _chunk_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: tor
     logp_N = logp_NV.gather(-1, target_N.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp_N, None
-    entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
+    p_NV = logp_NV.exp()
+    plogp_NV = p_NV * logp_NV
+    if banned_ids is not None:
+        # at banned ids p = 0 and log p = -3.4e38: autograd through p * log p multiplies g_H by log p, inf once
+        # |g_H| > 1, then by p = 0, which is nan (and log-softmax's backward spreads it over the row). The where
+        # sends every p = 0 entry gradient 0, which is its true gradient p (log p + 1) g_H; values unchanged.
+        # Only here: elsewhere log p is a moderate number and the bool block it saves would be wasted memory.
+        plogp_NV = torch.where(p_NV > 0, plogp_NV, 0.0)
+    entropy_N = -plogp_NV.sum(-1)
     return logp_N, entropy_N
 
 

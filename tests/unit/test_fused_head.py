@@ -187,9 +187,7 @@ def test_bf16_matches_float64_within_bf16_rounding_and_the_checkpoint_kernel_clo
         hidden.grad, head.weight.grad, head.bias.grad = None, None, None
         lp, en = logprobs_from_hidden(hidden, head, ids, mask, T, True, chunk_size=4, banned_ids=BANNED,
                                       head_kernel=kernel)
-        # g_H scaled below 1: the checkpoint kernel's entropy backward multiplies g_H by log p = -3.4e38 at
-        # banned ids, which overflows to inf for |g_H| > 1 and then inf * p = nan (the fused one has no such term)
-        (lp[0, 1:] * g_logp + en[0, 1:] * g_ent * 0.2).sum().backward()
+        (lp[0, 1:] * g_logp + en[0, 1:] * g_ent).sum().backward()
         out[kernel] = (lp, en, hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone())
     for x, y in zip(out["fused"], out["checkpoint"]):
         torch.testing.assert_close(x.float(), y.float(), atol=1e-2, rtol=1e-2)
@@ -215,6 +213,42 @@ def test_logprobs_from_hidden_fused_equals_checkpoint_with_packed_positions():
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match=r"train.head_kernel='fast' must be one of: fused, checkpoint"):
         logprobs_from_hidden(hidden, head, ids, mask, T, True, head_kernel="fast")
+
+
+
+@pytest.mark.parametrize("g_scale", [0.2, 4.0])
+@pytest.mark.parametrize("banned", [BANNED, None], ids=["banned", "no_banned"])
+def test_checkpoint_kernel_equals_fused_and_float64_with_large_entropy_gradients(banned, g_scale):
+    """At a banned id p = 0 and log p = -3.4e38: autograd through -(exp(log p) * log p) multiplied g_H by
+    log p, inf for |g_H| > 1, then by p = 0: nan in every gradient of the row (log-softmax's backward sums
+    it). The checkpoint kernel's values and gradients must equal the fused kernel's (and float64's) for any g_H."""
+    h, w, b, target, g_logp, g_ent = _inputs()
+    ids = torch.zeros(1, N + 1, dtype=torch.long)
+    ids[0, 1:] = target
+    mask = torch.ones(1, N + 1)
+    hidden = torch.cat([h.detach(), torch.zeros(1, H)]).unsqueeze(0).requires_grad_()  # row t-1 predicts t
+    head = torch.nn.Linear(H, V)
+    with torch.no_grad():
+        head.weight.copy_(w)
+        head.bias.copy_(b)
+    out = {}
+    for kernel in ("fused", "checkpoint"):
+        hidden.grad, head.weight.grad, head.bias.grad = None, None, None
+        lp, en = logprobs_from_hidden(hidden, head, ids, mask, T, True, chunk_size=4, banned_ids=banned,
+                                      head_kernel=kernel)
+        (lp[0, 1:] * g_logp + en[0, 1:] * g_ent * g_scale).sum().backward()
+        out[kernel] = (lp[0, 1:].detach(), en[0, 1:].detach(), hidden.grad[0, :N].clone(),
+                       head.weight.grad.clone(), head.bias.grad.clone())
+    assert all(torch.isfinite(x).all() for x in out["checkpoint"]), "nan/inf in the checkpoint kernel's outputs"
+    for name, x, y in zip(("logp", "entropy", "dh", "dW", "db"), out["fused"], out["checkpoint"]):
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    h2, w2, b2 = _fresh(h, w, b)
+    want = _run_reference(h2, w2, b2, target, g_logp, g_ent * g_scale, banned)
+    for name, x, y in zip(("logp", "entropy", "dh", "dW", "db"), out["checkpoint"], want[:2] + tuple(want[2])):
+        torch.testing.assert_close(x.double(), y.double(), atol=1e-5 * max(1.0, g_scale), rtol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+    if banned:  # the banned rows of the head get exactly no gradient
+        assert torch.equal(out["checkpoint"][3][banned], torch.zeros(len(banned), H))
 
 
 def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
