@@ -27,6 +27,9 @@ class TrainConfig(Section):
     eval_every: int = 0  # evaluate every N steps; 0 = before and after only
     log_every: int = 1
     compile_head: bool = True  # torch.compile the chunked LM-head log-prob/entropy (CUDA only; CPU runs eagerly)
+    # torch.compile each decoder layer (one shared graph, dynamic shapes; Inductor's Triton backend on CUDA, C++ on
+    # CPU); FSDP2 only. False until the GPU measures it: the first step pays the compile (cached by compile_cache_dir)
+    compile_layers: bool = False
     head_kernel: Literal["fused", "checkpoint"] = "fused"  # LM-head log-prob/entropy: fused (analytic backward, 4096-row chunks) or checkpoint (autograd, 1024-row chunks)
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise resume checks
     record_batches: bool = False  # save every step's batch under output_dir/batches/ for `streamrft replay`

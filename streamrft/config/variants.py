@@ -60,6 +60,7 @@ VARIANT_KEYS: dict[str, tuple[str, tuple | str]] = {
     "train.critic_lr": ("model.critic_path", SET),
     "train.offload_between_phases": ("rollout.placement", ("colocated",)),
     "train.optimizer_offload": ("train.strategy", ("fsdp2",)),  # DeepSpeed has its own offload
+    "train.compile_layers": ("train.strategy", ("fsdp2",)),  # DeepSpeed's ZeRO hooks are not composed with it
     # rollout
     "rollout.engine_ranks": ("rollout.placement", ("async",)),
     # algorithm: advantage estimators

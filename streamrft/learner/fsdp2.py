@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from streamrft.learner.base import LossFn
+from streamrft.learner.compiling import compile_decoder_layers
 from streamrft.learner.memory import bucketed, move_module_and_optimizer
 from streamrft.learner.logprobs import token_logprobs
 from streamrft.learner.optim import build_lr_scheduler, build_optimizer
@@ -95,13 +96,17 @@ def media_encoder_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dtype | None,
-                compile_head: bool = False, head_kernel: str = "fused") -> torch.nn.Module:
+                compile_head: bool = False, head_kernel: str = "fused", compile_layers: bool = False,
+                deterministic: bool = False) -> torch.nn.Module:
     """fully_shard each vision block and the merger (VL models), each decoder layer, then the root; register
-    the log-prob forward method. In place."""
+    the log-prob forward method. In place. ``compile_layers`` (train.compile_layers): the language decoder
+    layers' forwards run compiled (learner/compiling.py), FSDP2's hooks around them stay eager."""
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
     kwargs = {"mesh": mesh, "reshard_after_forward": True}
     if compute_dtype is not None and compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if compile_layers:
+        compile_decoder_layers(decoder_layers(model), deterministic)
     for unit in media_encoder_units(model) + decoder_layers(model):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
@@ -176,8 +181,8 @@ class FSDP2Strategy:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         model.train()  # HF gradient checkpointing is active only in train mode
-        self.module = shard_model(model, dist, self.compute_dtype, train_cfg.compile_head,
-                                  train_cfg.head_kernel).to(self.device)
+        self.module = shard_model(model, dist, self.compute_dtype, train_cfg.compile_head, train_cfg.head_kernel,
+                                  train_cfg.compile_layers, train_cfg.deterministic).to(self.device)
         for m in fsdp_modules(self.module):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

@@ -1,0 +1,104 @@
+"""torch.compile with an eager fallback, and the regional compile of decoder layers (``train.compile_layers``).
+
+``CompiledOrEager(fn, key, what)`` runs ``torch.compile(fn)``; when compiling fails (no working C++ compiler
+for Inductor's CPU backend, no Triton), it warns once, naming the config key, and runs ``fn`` eagerly from
+then on: the same values, only slower. A compile error surfaces at the first call of a new graph, before
+any of its kernels ran (AOTAutograd compiles the backward graph together with the forward), so rerunning the
+call eagerly computes it exactly once.
+
+Regional compilation (``compile_decoder_layers``): every decoder layer's ``forward`` becomes a call of ONE
+compiled function ``_layer_forward(layer, ...)``. The layers run the same code and Dynamo treats a module's
+parameters as graph inputs, so all layers share one graph (the guards are on the layer's class and the
+attributes its forward reads, not on which layer it is). Why the instance ``forward`` and not
+``torch.compile(layer)``: the module, its class and its parameter names stay as they are (an
+``OptimizedModule`` wrapper would add ``_orig_mod.`` to every checkpoint and engine weight name), and
+``nn.Module.__call__`` still runs the hooks outside the compiled region, so FSDP2's all-gather and
+reshard hooks stay eager. ``_layer_forward`` looks up ``type(layer).forward`` at call time, which is Hugging
+Face's gradient-checkpointing wrapper of the class the layer has then (``FSDP<Layer>`` after
+``fully_shard``): with ``model.gradient_checkpointing`` Dynamo traces ``torch.utils.checkpoint`` into the
+graph and AOTAutograd recomputes the layer in the compiled backward (the same memory saving).
+
+Shapes: ``dynamic=True``, so sequence length and rows are symbolic from the first call and microbatches of
+any length reuse the graph (``dynamic=None`` would compile a static graph first and a dynamic one at the
+second length). PyTorch still specialises a dimension first seen as 1 (one row, e.g. packing), so a later
+microbatch of several rows compiles once more. Gradient mode is part of the guards: no-grad log-prob passes
+get their own (forward-only) graph.
+
+Calls with a KV cache (the colocated hf engine generating with the learner's own modules) run eagerly: a
+cache's ``update(..., layer_idx)`` would guard on each layer's index (one graph per layer) and graph-break.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable
+
+import torch
+
+FALLBACK_ERRORS = (torch._dynamo.exc.TorchDynamoException, ImportError)  # a compiler that cannot run here
+
+
+class CompiledOrEager:
+    """``fn`` under ``torch.compile(fn, **compile_kwargs)`` (compiled lazily, at the first call); if compiling
+    fails, one warning naming ``key`` and ``fn`` eagerly from then on (see the module docstring)."""
+
+    def __init__(self, fn: Callable, key: str, what: str, **compile_kwargs):
+        self.fn, self.key, self.what = fn, key, what
+        self.compile_kwargs = compile_kwargs
+        self.compiled: Callable | None = None
+        self.failed = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.failed:
+            try:
+                if self.compiled is None:
+                    self.compiled = torch.compile(self.fn, **self.compile_kwargs)
+                return self.compiled(*args, **kwargs)
+            except FALLBACK_ERRORS as exc:
+                self.failed = True
+                warnings.warn(f"{self.key}: torch.compile failed ({type(exc).__name__}: {exc}); {self.what} "
+                              f"eagerly from now on (set {self.key}=false to skip compiling)")
+        return self.fn(*args, **kwargs)
+
+
+def _layer_forward(layer: torch.nn.Module, *args, **kwargs):
+    """The layer's class forward (HF's checkpointing wrapper included), looked up at call time."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+_LAYER_COMPILERS: dict[bool, CompiledOrEager] = {}  # deterministic -> the one compiled layer forward
+
+
+def layer_compiler(deterministic: bool) -> CompiledOrEager:
+    """The compiled layer forward shared by every decoder layer of the process. ``deterministic``
+    (train.deterministic): Inductor's deterministic mode, which skips on-device benchmarking of kernel
+    configurations that change results (reduction orders), so a run and its resume compile the same kernels."""
+    if deterministic not in _LAYER_COMPILERS:
+        options = {"deterministic": True} if deterministic else None
+        _LAYER_COMPILERS[deterministic] = CompiledOrEager(
+            _layer_forward, "train.compile_layers", "running the decoder layers", dynamic=True, options=options)
+    return _LAYER_COMPILERS[deterministic]
+
+
+def _has_kv_cache(kwargs: dict) -> bool:
+    return any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "layer_past"))
+
+
+def _dispatch(compiler: CompiledOrEager, layer: torch.nn.Module, *args, **kwargs):
+    if _has_kv_cache(kwargs):
+        return _layer_forward(layer, *args, **kwargs)  # generation: eager (module docstring)
+    return compiler(layer, *args, **kwargs)
+
+
+def compile_decoder_layers(layers: list[torch.nn.Module], deterministic: bool = False) -> None:
+    """Route each layer's forward through the shared compiled function (in place; see the module docstring)."""
+    compiler = layer_compiler(deterministic)
+    for layer in layers:
+        layer.forward = functools.partial(_dispatch, compiler, layer)
+
+
+def is_compiled_layer(layer: torch.nn.Module) -> bool:
+    """Whether ``compile_decoder_layers`` routed this layer's forward (whatever its compiler's state)."""
+    fwd = layer.__dict__.get("forward")
+    return isinstance(fwd, functools.partial) and fwd.func is _dispatch

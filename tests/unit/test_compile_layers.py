@@ -1,0 +1,162 @@
+"""train.compile_layers (streamrft/learner/compiling.py): the FSDP2 learner with its decoder layers compiled by
+Inductor (its C++ backend here) gives the eager learner's loss, grad norm and updated weights; one graph
+serves every layer and every microbatch length; generation with a KV cache stays eager; a failed compile
+falls back once, loudly; DeepSpeed refuses the key.
+
+Compiling costs tens of seconds on a shared 2-core machine, so one compiled learner (module fixture) serves
+the equality, graph-count and generation checks.
+"""
+
+import math
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM
+
+from streamrft.config import load_config, validate_config
+from streamrft.config.base import ConfigError
+from streamrft.config.model import ModelConfig
+from streamrft.config.train import TrainConfig
+from streamrft.learner import compiling
+from streamrft.learner.fsdp2 import FSDP2Strategy, decoder_layers
+from streamrft.learner.microbatch import SequenceSample, make_microbatches
+from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
+
+T = 0.9
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny"))
+    tok = build_char_tokenizer(d, "0123456789+-=abcdefghijklmnopq")
+    return build_tiny_qwen2(d, tok, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                            intermediate_size=64, max_position_embeddings=64)
+
+
+def _strategy(dist, model_dir, compile_layers, **model):
+    mcfg = ModelConfig(path=model_dir, dtype="float32", attn_implementation="sdpa", **model)
+    tcfg = TrainConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.05, compile_layers=compile_layers)
+    return FSDP2Strategy(mcfg, tcfg, dist, total_steps=10)
+
+
+def _microbatches():
+    """Three microbatches of two rows each, 9, 7 and 12 tokens long (a dimension first seen as 1 would be
+    specialised by PyTorch, see learner/compiling.py)."""
+    g = torch.Generator().manual_seed(3)
+    samples = [SequenceSample(torch.randint(3, 30, (p,), generator=g).tolist(),
+                              torch.randint(3, 30, (r,), generator=g).tolist(),
+                              {"adv": torch.randn(r, generator=g)})
+               for p, r in [(3, 4), (2, 5), (6, 3), (4, 8), (5, 6), (2, 3)]]
+    return make_microbatches(samples, token_budget=24)
+
+
+def _loss_fn(n_tokens):
+    def loss_fn(mb, logp_BL, entropy_BL):
+        return -(logp_BL * mb["adv"] * mb["response_mask"]).sum() / n_tokens, {}
+    return loss_fn
+
+
+def _train_step(strat, mbs):
+    n_tokens = float(sum(mb["response_mask"].sum() for mb in mbs))
+    losses = [strat.forward_backward(mb, _loss_fn(n_tokens), T)["loss"] for mb in mbs]
+    out = strat.step()
+    weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+               for k, v in strat.module.state_dict().items()}
+    return losses, out["grad_norm"], weights
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def eager_step(dist, model_dir):
+    return _train_step(_strategy(dist, model_dir, False), _microbatches())
+
+
+@pytest.fixture(scope="module")
+def compiled(dist, model_dir):
+    """(strategy, its step's results, graphs compiled by that step)."""
+    strat = _strategy(dist, model_dir, True)
+    before = _graphs()
+    result = _train_step(strat, _microbatches())
+    return strat, result, _graphs() - before
+
+
+def _assert_same_step(got, want):
+    """Float32 on CPU: Inductor fuses RMSNorm / rotary / SiLU and reorders their float32 sums, a ~1e-7
+    relative change per op; through two layers and the head that stays below 1e-5 of the loss and grad
+    norm. The weights: AdamW's first step is lr * g / (|g| + eps), so an element whose |g| is near eps
+    turns 1e-7 of gradient noise into up to lr = 1e-2 of update; 1e-5 absolute is 1e-3 of the step size
+    (test_learner_fsdp2 compares the eager learner to plain HF at the same tolerance)."""
+    losses, norm, weights = got
+    want_losses, want_norm, want_weights = want
+    assert losses == pytest.approx(want_losses, rel=1e-5, abs=1e-7)
+    assert norm == pytest.approx(want_norm, rel=1e-5)
+    assert set(weights) == set(want_weights)
+    for k, v in weights.items():
+        torch.testing.assert_close(v, want_weights[k], atol=1e-5, rtol=0, msg=lambda m: k + m)
+
+
+def test_compiled_layers_give_the_eager_step_with_one_graph_for_every_layer_and_length(compiled, eager_step):
+    strat, result, graphs = compiled
+    mbs = _microbatches()
+    shapes = [tuple(mb["input_ids"].shape) for mb in mbs]
+    assert shapes == [(2, 9), (2, 7), (2, 12)]  # lengths differ
+    assert all(compiling.is_compiled_layer(layer) for layer in decoder_layers(strat.module))
+    # one forward graph (its backward is compiled with it, not counted): not one per layer, not one per length;
+    # 0 would mean the flag compiled nothing
+    assert graphs == 1
+    assert not compiling.layer_compiler(False).failed
+    losses, norm, _ = result
+    assert all(math.isfinite(x) and x != 0 for x in losses) and norm > 0.05  # the clip is exercised
+    _assert_same_step(result, eager_step)
+
+
+def test_generation_with_a_kv_cache_runs_the_layers_eagerly(compiled, model_dir):
+    strat, _, _ = compiled
+    ids = torch.tensor([[5, 9, 11, 4, 7]])
+    before = _graphs()
+    strat.unshard_for_rollout()
+    try:
+        with torch.no_grad():
+            got = strat.module(input_ids=ids, use_cache=True).logits  # a DynamicCache: the hf engine's prefill
+    finally:
+        strat.reshard_after_rollout()
+    assert _graphs() == before, "a forward with a KV cache was compiled"
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    plain.load_state_dict(compiled[1][2])  # the compiled learner's updated weights
+    with torch.no_grad():
+        torch.testing.assert_close(got, plain(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_a_failed_layer_compile_warns_once_and_runs_eagerly(monkeypatch, model_dir):
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise torch._dynamo.exc.BackendCompilerFailed(broken, RuntimeError("no C++ compiler here"), None)
+
+    compiler = compiling.CompiledOrEager(compiling._layer_forward, "train.compile_layers", "running the decoder layers")
+    compiler.compiled = broken
+    monkeypatch.setitem(compiling._LAYER_COMPILERS, False, compiler)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([[5, 9, 11, 4, 7], [3, 3, 8, 20, 1]])
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits  # no KV cache: the compiled path is taken
+        compiling.compile_decoder_layers(decoder_layers(model))
+        with pytest.warns(UserWarning, match=r"train.compile_layers: torch.compile failed \(BackendCompilerFailed"):
+            got = model(input_ids=ids, use_cache=False).logits
+        again = model(input_ids=ids, use_cache=False).logits  # no second attempt, no second warning
+    assert len(calls) == 1 and compiler.failed
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(again, want, atol=0, rtol=0)
+
+
+def test_deepspeed_refuses_compile_layers_before_any_model_loads(tmp_path):
+    (tmp_path / "c.yaml").write_text("reward:\n  sources:\n    - {name: c, type: rule, fn: gsm8k}\n")
+    cfg = load_config(tmp_path / "c.yaml", ["train.strategy=deepspeed", "train.compile_layers=true"])
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, 1, check_paths=False)
+    assert "train.compile_layers is set but train.strategy='deepspeed'" in str(err.value)
