@@ -242,6 +242,7 @@ def profile_tables(res: dict) -> str:
     unit = "GPU kernel" if res["device"] == "cuda" else "CPU op (self time)"
     lines = [
         f"[{res['size']} {res['variant']}] step {res['step_s']:.3f} s (steps {', '.join(f'{t:.3f}' for t in res['step_times'])}; "
+        f"warm-up {', '.join(f'{t:.1f}' for t in res['warmup_times'])} ({res['cache']} compile cache); "
         f"profiled {res['profiled_step_s']:.3f} s), {res['tokens_per_s']:.0f} tok/s, learner MFU {res['mfu_pct']:.1f} % "
         f"({res['train_tflop']:.1f} TFLOP/step at {res['rate_tflops']:.0f} TFLOP/s: ideal {res['ideal_s']:.3f} s), "
         f"peak {res['peak_gib']:.1f} GiB (resv {res['peak_reserved_gib']:.1f}); B={res['B']} P={res['P']} R={res['R']} "
@@ -281,17 +282,20 @@ def summary_table(results: list[dict]) -> str:
     lines = [SUMMARY_HEAD]
     for r in results:
         over = " ".join(r.get("overrides", [])) or "-"
-        if "error" in r or "profile" not in r:
+        if "step_s" not in r:
             lines.append(f"{r.get('size', '?'):5} {r.get('variant', '?'):14} FAILED: "
-                         f"{_short(r.get('error', 'no profile'), 300)}  [{over}]")
+                         f"{_short(r.get('error', 'no result'), 300)}  [{over}]")
+            continue
+        head = (f"{r['size']:5} {r['variant']:14} {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} {r['mfu_pct']:5.1f} "
+                f"{r['peak_gib']:8.1f} ")
+        if "profile" not in r:  # timed, but the breakdown failed
+            lines.append(head + f"FAILED: {_short(r.get('error', 'no profile'), 250)}  [{over}]")
             continue
         c = r["profile"]["categories"]
         lines.append(
-            f"{r['size']:5} {r['variant']:14} {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} {r['mfu_pct']:5.1f} "
-            f"{r['peak_gib']:8.1f} "
-            f"{c['gemm']['ms']:8.1f} {c['attn_fwd']['ms'] + c['attn_bwd']['ms']:8.1f} {r['profile']['head_ms']:8.1f} "
-            f"{c['elementwise']['ms']:8.1f} {c['fsdp']['ms']:8.1f} {c['optimizer']['ms']:8.1f} "
-            f"{r['profile']['idle_ms']:8.1f} {r['idle_est_ms']:8.1f}  {over}")
+            head + f"{c['gemm']['ms']:8.1f} {c['attn_fwd']['ms'] + c['attn_bwd']['ms']:8.1f} "
+            f"{r['profile']['head_ms']:8.1f} {c['elementwise']['ms']:8.1f} {c['fsdp']['ms']:8.1f} "
+            f"{c['optimizer']['ms']:8.1f} {r['profile']['idle_ms']:8.1f} {r['idle_est_ms']:8.1f}  {over}")
     return "\n".join(lines)
 
 
@@ -458,34 +462,53 @@ def run_worker(size: str, wl: dict, out: Path, variant: str, overrides: list[str
             actor.train_step(batch)
             sync()
             profiled_s = time.perf_counter() - t
-    t = time.perf_counter()
-    events = events_from_kineto(prof)
-    if cuda and not any(e["cat"] == "kernel" for e in events):
-        raise RuntimeError("the CUDA profile has no kernel events (CUPTI unavailable to this process?): "
-                           "the timings above are valid, the breakdown is not")
-    result_profile = analyze(events, gpu=cuda)
-    analyze_s = time.perf_counter() - t
-    trace_file = ""
-    if trace_dir:
-        Path(trace_dir).mkdir(parents=True, exist_ok=True)
-        trace_file = str(write_trace(events, Path(trace_dir) / f"trace_{size}_{variant}.json.gz", cuda))
     tflop = train_flops(shape_of(AutoConfig.from_pretrained(str(out / f"model_{size}"))), B, P, R) / 1e12
-    step_s = statistics.median(times) if times else profiled_s
-    mbs = actor._microbatches(batch)
-    return {
+    step_s = statistics.median(times)
+    res = {
         "size": size, "variant": variant, "overrides": overrides, "device": "cuda" if cuda else "cpu",
         "cache": cache, "B": B, "P": P, "R": R, "micro_batch_tokens": cfg.train.micro_batch_tokens,
-        "microbatches": len(mbs), "build_s": build_s, "warmup_times": warm_times, "step_times": times,
-        "step_s": step_s, "profiled_step_s": profiled_s, "analyze_s": analyze_s,
+        "microbatches": len(actor._microbatches(batch)), "build_s": build_s, "warmup_times": warm_times,
+        "step_times": times, "step_s": step_s, "profiled_step_s": profiled_s,
         "tokens_per_s": B * (P + R) / step_s, "response_tokens_per_s": B * R / step_s,
         "train_tflop": tflop, "rate_tflops": rate / 1e12, "ideal_s": tflop * 1e12 / rate,
         "mfu_pct": 100 * tflop * 1e12 / (step_s * rate),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
-        # the profiler slows launches, not kernels: the unprofiled step's idle is about its time minus the busy time
-        "idle_est_ms": max(1e3 * step_s - result_profile["busy_ms"], 0.0),
-        "profile": result_profile, "trace": trace_file,
     }
+    t = time.perf_counter()
+    try:  # a failed breakdown keeps the timings above (the variant still counts as failed: exit 1)
+        events = profile_events(prof, out)
+        if cuda and not any(e["cat"] == "kernel" for e in events):
+            raise RuntimeError("the CUDA profile has no kernel events (CUPTI unavailable to this process?)")
+        res["profile"] = analyze(events, gpu=cuda)
+        # the profiler slows launches, not kernels: the unprofiled step's idle is about its time minus busy time
+        res["idle_est_ms"] = max(1e3 * step_s - res["profile"]["busy_ms"], 0.0)
+        if trace_dir:
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
+            res["trace"] = str(write_trace(events, Path(trace_dir) / f"trace_{size}_{variant}.json.gz", cuda))
+    except Exception as exc:  # noqa: BLE001 - named in the summary
+        import traceback
+
+        traceback.print_exc()
+        res["error"] = f"profile breakdown: {type(exc).__name__}: {exc}"
+    res["analyze_s"] = time.perf_counter() - t
+    return res
+
+
+def profile_events(prof, scratch: Path) -> list[dict]:
+    """``events_from_kineto``; where this torch's kineto results lack a method it calls, the exported chrome
+    trace instead (slower: a JSON file of the whole step)."""
+    try:
+        return events_from_kineto(prof)
+    except (AttributeError, TypeError) as exc:
+        print(f"learner_profile: kineto events unreadable ({type(exc).__name__}: {exc}); parsing the chrome "
+              "trace instead", flush=True)
+    path = scratch / "profile_trace.json"
+    prof.export_chrome_trace(str(path))
+    try:
+        return events_from_chrome(json.loads(path.read_text()))
+    finally:
+        path.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- the parent ------------------------
@@ -535,7 +558,7 @@ def main() -> int:
             res = {"size": a.size, "variant": a.variant, "overrides": overrides,
                    "error": f"{type(exc).__name__}: {exc}"}
         (out / f"res_{a.size}_{a.variant}.json").write_text(json.dumps(res))
-        if "error" not in res:
+        if "profile" in res:
             print(profile_tables(res), flush=True)
         return 0 if "error" not in res else 1
 

@@ -194,10 +194,15 @@ def test_a_bad_variant_stops_before_any_model_is_built(tmp_path, monkeypatch):
     assert not (tmp_path / "model_tiny").exists()
 
 
-def test_summary_names_a_failed_variant():
-    text = summary_table([{"size": "tiny", "variant": "cl", "overrides": ["train.compile_layers=true"],
-                           "error": "RuntimeError: boom"}])
-    assert "cl" in text.splitlines()[1] and "FAILED: RuntimeError: boom" in text and "train.compile_layers=true" in text
+def test_summary_names_a_failed_variant_and_keeps_the_timings_of_a_failed_breakdown():
+    timed = dict(size="0.5b", variant="base", overrides=[], step_s=3.85, tokens_per_s=102140.0, mfu_pct=36.1,
+                 peak_gib=41.0, error="profile breakdown: RuntimeError: no kernel events")
+    lines = summary_table([{"size": "tiny", "variant": "cl", "overrides": ["train.compile_layers=true"],
+                            "error": "RuntimeError: boom"}, timed]).splitlines()
+    assert lines[1].split()[:3] == ["tiny", "cl", "FAILED:"] and "RuntimeError: boom" in lines[1]
+    assert "[train.compile_layers=true]" in lines[1]
+    assert lines[2].split()[:7] == ["0.5b", "base", "3.850", "102140", "36.1", "41.0", "FAILED:"]
+    assert "no kernel events" in lines[2]
 
 
 @pytest.mark.slow
