@@ -251,6 +251,8 @@ def profile_tables(res: dict) -> str:
         f"{100 * p['linked_fraction']:.0f} % linked to their launch); % of the step's wall time (streams may overlap)",
         f"  {'category':24} {'ms':>9} {'%step':>6} {'count':>7} " + " ".join(f"{ph:>9}" for ph in PHASES),
     ]
+    if res.get("trace"):
+        lines.insert(1, f"  trace: {res['trace']}")
     w = p["window_ms"] or 1.0
     for c in CATEGORIES:
         row = p["categories"][c]
@@ -331,24 +333,29 @@ def events_from_chrome(trace: dict) -> list[dict]:
     return out
 
 
-def write_trace(events: list[dict], path: Path, gpu: bool, limit_bytes: int = 20 * 2**20) -> Path:
-    """A gzipped chrome trace of the profiled step (Perfetto / chrome://tracing), under ``limit_bytes``: the
-    ranges and GPU work; CPU ops only where there are no kernels (CPU runs), launches dropped if too big."""
-    keep = {"user_annotation", "kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver"}
-    if not gpu:
-        keep.add("cpu_op")
-    for attempt in range(2):
-        chosen = [e for e in events if e["cat"] in keep]
-        trace = {"traceEvents": [
+TRACE_LIMIT = 12 * 2**20  # the GPU call returns files of at most 16 MiB each, 64 MiB together
+
+
+def write_trace(events: list[dict], path: Path, gpu: bool, limit_bytes: int = TRACE_LIMIT) -> str:
+    """A gzipped chrome trace of the profiled step (Perfetto / chrome://tracing) of at most ``limit_bytes``:
+    the ranges and GPU work with their launches (CPU runs: the CPU ops); if too big, without launches and CPU
+    ops; then also without kernels under 20 us (the file's ``otherData`` says which). Returns what was
+    written, or why nothing was."""
+    levels = [({"cuda_runtime", "cuda_driver"} | ({"cpu_op"} if not gpu else set()), 0.0, "complete"),
+              (set(), 0.0, "no launches or CPU ops"), (set(), 20.0, "no launches or CPU ops, kernels >= 20 us")]
+    size = 0
+    for extra, min_us, what in levels:
+        keep = {"user_annotation", "kernel", "gpu_memcpy", "gpu_memset"} | extra
+        trace = {"otherData": {"content": what}, "traceEvents": [
             {"ph": "X", "cat": e["cat"], "name": e["name"][:200], "ts": e["ts"], "dur": e["dur"],
              "pid": 1 if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset") else 0, "tid": e["tid"]}
-            for e in chosen]}
+            for e in events if e["cat"] in keep and (e["cat"] == "user_annotation" or e["dur"] >= min_us)]}
         data = gzip.compress(json.dumps(trace).encode(), compresslevel=6)
-        if len(data) <= limit_bytes or attempt:
-            break
-        keep -= {"cuda_runtime", "cuda_driver", "cpu_op"}
-    path.write_bytes(data)
-    return path
+        size = len(data)
+        if size <= limit_bytes:
+            path.write_bytes(data)
+            return f"{path} ({what}, {size / 2**20:.1f} MiB)"
+    return f"not written: {size / 2**20:.1f} MiB even with {levels[-1][2]} (limit {limit_bytes / 2**20:.0f} MiB)"
 
 
 # ---------------------------------------------------------------- the worker ------------------------
@@ -485,7 +492,7 @@ def run_worker(size: str, wl: dict, out: Path, variant: str, overrides: list[str
         res["idle_est_ms"] = max(1e3 * step_s - res["profile"]["busy_ms"], 0.0)
         if trace_dir:
             Path(trace_dir).mkdir(parents=True, exist_ok=True)
-            res["trace"] = str(write_trace(events, Path(trace_dir) / f"trace_{size}_{variant}.json.gz", cuda))
+            res["trace"] = write_trace(events, Path(trace_dir) / f"trace_{size}_{variant}.json.gz", cuda)
     except Exception as exc:  # noqa: BLE001 - named in the summary
         import traceback
 

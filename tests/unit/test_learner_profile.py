@@ -21,6 +21,7 @@ from learner_profile import (  # noqa: E402
     self_times,
     summary_table,
     union_length,
+    write_trace,
 )
 
 GPU_NAMES = [
@@ -161,6 +162,33 @@ def test_kernels_charged_to_the_phase_and_scope_of_their_launch_and_idle_is_the_
                                                  "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT"]
     with pytest.raises(ValueError, match="no 'phase/step' range"):
         analyze([e for e in events if e["name"] != "phase/step"], gpu=True)
+
+
+def test_trace_file_drops_launches_then_short_kernels_to_fit_its_limit(tmp_path):
+    import gzip
+    import random
+
+    rng = random.Random(0)
+    events = [_ev("user_annotation", "phase/step", 0, 1e6)]
+    for i in range(3000):  # incompressible names: the size follows the event count
+        events.append(_ev("cuda_runtime", f"cudaLaunchKernel{rng.random()}", i * 300.0, 2, corr=i))
+        events.append(_ev("kernel", f"k{rng.random()}", i * 300.0 + 5, 30 if i % 10 == 0 else 5, corr=i, tid=7))
+    path = tmp_path / "t.json.gz"
+    sizes = {}
+    for limit in (10**7, 60_000, 10_000, 1000):
+        path.unlink(missing_ok=True)
+        what = write_trace(events, path, gpu=True, limit_bytes=limit)
+        if what.startswith("not written"):
+            assert not path.exists() and "limit 0 MiB" in what
+            continue
+        trace = json.loads(gzip.decompress(path.read_bytes()))
+        assert path.stat().st_size <= limit
+        cats = {e["cat"] for e in trace["traceEvents"]}
+        sizes[limit] = (trace["otherData"]["content"], len(trace["traceEvents"]), cats)
+    assert sizes[10**7] == ("complete", 6001, {"user_annotation", "cuda_runtime", "kernel"})
+    assert sizes[60_000] == ("no launches or CPU ops", 3001, {"user_annotation", "kernel"})
+    assert sizes[10_000] == ("no launches or CPU ops, kernels >= 20 us", 301, {"user_annotation", "kernel"})
+    assert 1000 not in sizes
 
 
 def test_a_real_cpu_profile_through_the_chrome_trace(tmp_path):
