@@ -158,7 +158,7 @@ def analyze(events: list[dict], gpu: bool, top: int = 30) -> dict:
 
     cat as in a chrome trace: user_annotation (record_function ranges), cpu_op, kernel / gpu_memcpy /
     gpu_memset (GPU work), cuda_runtime / cuda_driver (the launches: same ``corr`` as their kernel); ``link``
-    of a GPU event: the ``corr`` of the CPU op that launched it (torch's own association, tried first)."""
+    of a launch or GPU event: the ``corr`` of the CPU op that launched it (torch's own association)."""
     ranges = [e for e in events if e["cat"] == "user_annotation"]
     steps = [e for e in ranges if e["name"] == STEP_RANGE]
     if not steps:
@@ -180,13 +180,20 @@ def analyze(events: list[dict], gpu: bool, top: int = 30) -> dict:
 
     if gpu:
         ops = {e["corr"]: e["ts"] for e in events if e["cat"] == "cpu_op" and e.get("corr")}
-        launches = {e["corr"]: e["ts"] for e in events if e["cat"] in ("cuda_runtime", "cuda_driver") and e.get("corr")}
+        launches = {e["corr"]: e for e in events if e["cat"] in ("cuda_runtime", "cuda_driver") and e.get("corr")}
         work = [(e, e["dur"], True) for e in events if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset")]
         work = [w for w in work if lo <= w[0]["ts"] <= hi]
         launch_of = {}
-        for e, _, _ in work:  # a CPU time that precedes the kernel: its op's start, else its launch call's
-            cands = (ops.get(e.get("link")), launches.get(e.get("corr")))
-            launch_of[id(e)] = next((t for t in cands if t is not None and t <= e["ts"]), None)
+        for e, _, _ in work:
+            # the launch call (cudaLaunchKernel, cuLaunchKernel for Triton): exact, if it precedes the kernel and
+            # names the same CPU op; else that op's start (a Triton kernel's innermost op can be the whole
+            # autograd Function, which starts before the ranges inside it)
+            call, link = launches.get(e.get("corr")), e.get("link")
+            if call is not None and call["ts"] <= e["ts"] and (not link or not call.get("link") or call["link"] == link):
+                launch_of[id(e)] = call["ts"]
+            else:
+                op_ts = ops.get(link)
+                launch_of[id(e)] = op_ts if op_ts is not None and op_ts <= e["ts"] else None
         linked = sum(v is not None for v in launch_of.values())
     else:
         work = [w for w in self_times([e for e in events if e["cat"] == "cpu_op"]) if lo <= w[0]["ts"] <= hi]
