@@ -71,6 +71,7 @@ _MEMCPY = re.compile(r"memcpy|memset", re.I)
 _ELEMENTWISE = re.compile(r"at::native::|elementwise|reduce|softmax|norm|^aten::", re.I)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a step launches ~10^5 kernels of a few hundred names
 def classify(name: str, scope: str = "") -> str:
     """The category of one kernel (GPU) or CPU op by its name and where it was launched from.
 
