@@ -190,7 +190,8 @@ def analyze(events: list[dict], gpu: bool, top: int = 30) -> dict:
             # names the same CPU op; else that op's start (a Triton kernel's innermost op can be the whole
             # autograd Function, which starts before the ranges inside it)
             call, link = launches.get(e.get("corr")), e.get("link")
-            if call is not None and call["ts"] <= e["ts"] and (not link or not call.get("link") or call["link"] == link):
+            same_op = not link or not call or not call.get("link") or call["link"] == link
+            if call is not None and call["ts"] <= e["ts"] and same_op:
                 launch_of[id(e)] = call["ts"]
             else:
                 op_ts = ops.get(link)
@@ -248,10 +249,11 @@ def profile_tables(res: dict) -> str:
     """The per-variant tables: headline numbers, time by category x phase (+ idle), phases, top kernels."""
     p = res["profile"]
     unit = "GPU kernel" if res["device"] == "cuda" else "CPU op (self time)"
+    steps, warm = (", ".join(f"{t:.3f}" for t in res[k]) for k in ("step_times", "warmup_times"))
     lines = [
-        f"[{res['size']} {res['variant']}] step {res['step_s']:.3f} s (steps {', '.join(f'{t:.3f}' for t in res['step_times'])}; "
-        f"warm-up {', '.join(f'{t:.1f}' for t in res['warmup_times'])} ({res['cache']} compile cache); "
-        f"profiled {res['profiled_step_s']:.3f} s), {res['tokens_per_s']:.0f} tok/s, learner MFU {res['mfu_pct']:.1f} % "
+        f"[{res['size']} {res['variant']}] step {res['step_s']:.3f} s (steps {steps}; warm-up {warm} "
+        f"({res['cache']} compile cache); profiled {res['profiled_step_s']:.3f} s), {res['tokens_per_s']:.0f} tok/s, "
+        f"learner MFU {res['mfu_pct']:.1f} % "
         f"({res['train_tflop']:.1f} TFLOP/step at {res['rate_tflops']:.0f} TFLOP/s: ideal {res['ideal_s']:.3f} s), "
         f"peak {res['peak_gib']:.1f} GiB (resv {res['peak_reserved_gib']:.1f}); B={res['B']} P={res['P']} R={res['R']} "
         f"micro_batch_tokens={res['micro_batch_tokens']} microbatches={res['microbatches']}",
@@ -271,7 +273,7 @@ def profile_tables(res: dict) -> str:
     lines.append(f"  {'idle (no kernel running)':24} {p['idle_ms']:9.1f} {100 * p['idle_ms'] / w:6.1f}   "
                  f"(unprofiled step: ~{res['idle_est_ms']:.1f} ms = step - busy)")
     lines.append(f"  {'LM head total':24} {p['head_ms']:9.1f} {100 * p['head_ms'] / w:6.1f}")
-    lines.append(f"  phases, CPU wall ms (kernel ms launched in it): " + ", ".join(
+    lines.append("  phases, CPU wall ms (kernel ms launched in it): " + ", ".join(
         f"{ph} {p['phases'][ph]['wall_ms']:.1f} ({p['phases'][ph]['kernel_ms']:.1f})" for ph in PHASES))
     lines.append(f"  top {len(p['top'])} by total time:")
     lines.append(f"  {'calls':>6} {'total_ms':>9} {'mean_us':>9} {'category':12} name")
@@ -384,7 +386,8 @@ def synthetic_batch(B: int, P: int, R: int, vocab: int, samples: int, seed: int 
         adv = float(torch.randn((), generator=g))
         out.append(TrainSample(
             header=ScoredSample(completion=c, reward=adv),
-            prompt_ids=torch.randint(3, vocab, (P,), generator=g), response_ids=torch.randint(3, vocab, (R,), generator=g),
+            prompt_ids=torch.randint(3, vocab, (P,), generator=g),
+            response_ids=torch.randint(3, vocab, (R,), generator=g),
             # a random-init model samples ~uniformly: log-probs near -log V (importance ratios near 1)
             behaviour_logprobs=-math.log(vocab) + 0.01 * torch.randn(R, generator=g),
             advantages=torch.full((R,), adv)))
@@ -544,7 +547,8 @@ def main() -> int:
     from gpu_grpo import SHAPES, tiny_size, workload
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="/tmp/learner_profile", help="work dir: models, compile cache, per-variant results")
+    ap.add_argument("--out", default="/tmp/learner_profile",
+                    help="work dir: models, compile cache, per-variant results")
     ap.add_argument("--sizes", default="0.5b", help="comma-separated: 0.5b, 1.5b (--tiny: the tiny shape)")
     ap.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU dry run)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up")

@@ -3,6 +3,7 @@ typical H100/H200 kernel names), interval unions and GPU idle time are exact on 
 charged to the phase and scope of the CPU call that launched them, and the --tiny run works end to end."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,9 +124,12 @@ def test_kernels_charged_to_the_phase_and_scope_of_their_launch_and_idle_is_the_
         _ev("gpu_user_annotation", "phase/forward", 0, 100),  # the GPU copy of a range: not a CPU range
         _ev("cpu_op", "aten::mm", 5, 1, corr=501), _ev("cpu_op", "aten::mul", 6, 1, corr=502),
         _ev("cpu_op", "FusedHeadLogprob", 29, 12, corr=503),  # the autograd Function: starts before the head range
-        _ev("cuda_runtime", "cudaLaunchKernel", 2, 0.5, corr=7), _ev("cuda_driver", "cuLaunchKernel", 31, 0.5, corr=8, link=503),
-        _ev("cuda_runtime", "cudaLaunchKernel", 35, 0.5, corr=9), _ev("cuda_runtime", "cudaLaunchKernel", 50, 0.5, corr=10),
-        _ev("cuda_runtime", "cudaLaunchKernel", 85, 0.5, corr=11), _ev("cuda_runtime", "cudaMemcpyAsync", 97, 0.5, corr=12),
+        _ev("cuda_runtime", "cudaLaunchKernel", 2, 0.5, corr=7),
+        _ev("cuda_driver", "cuLaunchKernel", 31, 0.5, corr=8, link=503),
+        _ev("cuda_runtime", "cudaLaunchKernel", 35, 0.5, corr=9),
+        _ev("cuda_runtime", "cudaLaunchKernel", 50, 0.5, corr=10),
+        _ev("cuda_runtime", "cudaLaunchKernel", 85, 0.5, corr=11),
+        _ev("cuda_runtime", "cudaMemcpyAsync", 97, 0.5, corr=12),
         _ev("cuda_runtime", "cudaLaunchKernel", 60, 0.1, corr=13),  # launched after its kernel started: not its launch
         _ev("cuda_runtime", "cudaLaunchKernel", 81, 0.1, corr=14, link=999),  # names another op than its kernel
         # kernels (GPU timeline)
@@ -242,7 +246,7 @@ def test_tiny_end_to_end_on_cpu(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "learner_profile.py"), "--tiny", "--steps", "1",
                         "--warmup", "0", "--out", str(tmp_path / "w"), "--report-dir", str(tmp_path / "rep"),
                         "--trace", str(tmp_path / "tr")],
-                       capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     (res,) = json.loads((tmp_path / "rep" / "results.json").read_text())
     assert res["variant"] == "base" and res["B"] == 8 and res["microbatches"] == 2 and len(res["step_times"]) == 1
