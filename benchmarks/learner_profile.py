@@ -119,6 +119,49 @@ def union_length(intervals, lo: float = -math.inf, hi: float = math.inf) -> floa
     return sum(e - s for s, e in merge_intervals((max(s, lo), min(e, hi)) for s, e in intervals))
 
 
+def intersection_length(a, b) -> float:
+    """Length of (union of a) ∩ (union of b)."""
+    a, b = merge_intervals(a), merge_intervals(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def gaps(intervals, lo: float, hi: float) -> list[tuple[float, float]]:
+    """[lo, hi] minus the union of the intervals."""
+    out, t = [], lo
+    for s, e in merge_intervals((max(s, lo), min(e, hi)) for s, e in intervals):
+        if s > t:
+            out.append((t, s))
+        t = max(t, e)
+    return out + ([(t, hi)] if hi > t else [])
+
+
+# (phase, its range): a time in several ranges belongs to the first (h2d also runs inside forward; loss, h2d and
+# forward inside fwd_bwd, whose remainder is the backward); outside all of them it is "other"
+_PHASE_ORDER = (("loss", "loss"), ("h2d", "h2d"), ("forward", "forward"), ("optimizer", "optimizer"),
+                ("backward", "fwd_bwd"))
+
+
+def split_by_phase(intervals, phase_ranges: dict[str, list]) -> dict[str, float]:
+    """How much of the intervals' union falls in each phase (``_PHASE_ORDER``; ``phase_ranges``: range name
+    -> its (start, end) list)."""
+    out, acc, before = {}, [], 0.0
+    for phase, name in _PHASE_ORDER:
+        acc += phase_ranges.get(name, [])
+        upto = intersection_length(intervals, acc)
+        out[phase] = upto - before
+        before = upto
+    out["other"] = union_length(intervals) - before
+    return out
+
+
 class Cover:
     """Membership of a time in a union of intervals (bisect over the merged cover)."""
 
@@ -169,15 +212,13 @@ def analyze(events: list[dict], gpu: bool, top: int = 30) -> dict:
     def cover(pred):
         return Cover((e["ts"], e["ts"] + e["dur"]) for e in ranges if pred(e["name"]))
 
-    phase_cover = {p: cover(lambda n, p=p: n == f"phase/{p}") for p in ("loss", "h2d", "forward", "optimizer",
-                                                                       "fwd_bwd")}
+    phase_ranges = {name: [(e["ts"], e["ts"] + e["dur"]) for e in ranges if e["name"] == f"phase/{name}"]
+                    for _, name in _PHASE_ORDER}
+    phase_cover = [(phase, Cover(phase_ranges[name])) for phase, name in _PHASE_ORDER]
     head, fsdp = cover(lambda n: n.startswith(HEAD_RANGE)), cover(lambda n: n.startswith(FSDP_RANGE))
 
     def phase_of(t: float) -> str:
-        for p in ("loss", "h2d", "forward", "optimizer"):  # innermost first (h2d also runs inside forward)
-            if t in phase_cover[p]:
-                return p
-        return "backward" if t in phase_cover["fwd_bwd"] else "other"
+        return next((phase for phase, c in phase_cover if t in c), "other")
 
     if gpu:
         ops = {e["corr"]: e["ts"] for e in events if e["cat"] == "cpu_op" and e.get("corr")}
@@ -220,18 +261,15 @@ def analyze(events: list[dict], gpu: bool, top: int = 30) -> dict:
     busy_iv = [(e["ts"], e["ts"] + e["dur"]) for e, _, topl in work if topl]
     window_ms = (hi - lo) / 1e3
     busy_ms = union_length(busy_iv, lo, hi) / 1e3
-    phase_wall = {p: union_length([(e["ts"], e["ts"] + e["dur"]) for e in ranges if e["name"] == f"phase/{p}"],
-                                  lo, hi) / 1e3 for p in ("forward", "loss", "h2d", "optimizer", "fwd_bwd")}
-    fwd_bwd = phase_wall.pop("fwd_bwd")
-    # h2d inside forward (the second move of an already moved batch) is near zero; the first is outside it
-    phase_wall["backward"] = max(fwd_bwd - phase_wall["forward"] - phase_wall["loss"] - phase_wall["h2d"], 0.0)
-    phase_wall["other"] = max(window_ms - fwd_bwd - phase_wall["optimizer"], 0.0)
+    # the step's wall time, and its idle gaps, by the phase the CPU was in meanwhile
+    phase_wall = split_by_phase([(lo, hi)], phase_ranges)
+    phase_idle = split_by_phase(gaps(busy_iv, lo, hi), phase_ranges)
     ranked = sorted(names.items(), key=lambda kv: -kv[1][2])[:top]
     return {
         "window_ms": window_ms, "busy_ms": busy_ms, "idle_ms": window_ms - busy_ms,
         "kernel_ms": sum(c["ms"] for c in cats.values()), "n_kernels": len(work),
         "linked_fraction": linked / len(work) if work else 0.0, "categories": cats,
-        "phases": {p: {"wall_ms": phase_wall.get(p, 0.0),
+        "phases": {p: {"wall_ms": phase_wall[p] / 1e3, "idle_ms": phase_idle[p] / 1e3,
                        "kernel_ms": sum(c["by_phase"][p] for c in cats.values())} for p in PHASES},
         "head_ms": cats["gemm_head"]["ms"] + cats["head"]["ms"],
         "top": [{"name": n, "category": c, "calls": k, "total_ms": ms, "mean_us": 1e3 * ms / k}
@@ -273,8 +311,11 @@ def profile_tables(res: dict) -> str:
     lines.append(f"  {'idle (no kernel running)':24} {p['idle_ms']:9.1f} {100 * p['idle_ms'] / w:6.1f}   "
                  f"(unprofiled step: ~{res['idle_est_ms']:.1f} ms = step - busy)")
     lines.append(f"  {'LM head total':24} {p['head_ms']:9.1f} {100 * p['head_ms'] / w:6.1f}")
-    lines.append("  phases, CPU wall ms (kernel ms launched in it): " + ", ".join(
-        f"{ph} {p['phases'][ph]['wall_ms']:.1f} ({p['phases'][ph]['kernel_ms']:.1f})" for ph in PHASES))
+    lines.append(f"  {'phase':24} {'wall_ms':>9} {'idle_ms':>9} {'kernel_ms':>9}   (CPU in the phase; GPU idle "
+                 "meanwhile; kernels it launched)")
+    for ph in PHASES:
+        row = p["phases"][ph]
+        lines.append(f"  {ph:24} {row['wall_ms']:9.1f} {row['idle_ms']:9.1f} {row['kernel_ms']:9.1f}")
     lines.append(f"  top {len(p['top'])} by total time:")
     lines.append(f"  {'calls':>6} {'total_ms':>9} {'mean_us':>9} {'category':12} name")
     for t in p["top"]:

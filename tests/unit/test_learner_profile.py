@@ -17,9 +17,12 @@ from learner_profile import (  # noqa: E402
     analyze,
     classify,
     events_from_chrome,
+    gaps,
+    intersection_length,
     main,
     merge_intervals,
     self_times,
+    split_by_phase,
     summary_table,
     union_length,
     write_trace,
@@ -104,6 +107,16 @@ def test_interval_union_and_merge():
     assert union_length([]) == 0
 
 
+def test_gaps_intersections_and_the_phase_split():
+    assert gaps([(2, 4), (3, 6), (8, 9)], 0, 10) == [(0, 2), (6, 8), (9, 10)]
+    assert gaps([(-5, 20)], 0, 10) == [] and gaps([], 0, 10) == [(0, 10)]
+    assert intersection_length([(0, 10), (20, 30)], [(5, 25)]) == 10
+    ranges = {"fwd_bwd": [(0, 50)], "forward": [(0, 20)], "h2d": [(15, 18), (60, 61)], "loss": [(20, 22)],
+              "optimizer": [(50, 70)]}
+    assert split_by_phase([(0, 100)], ranges) == {"loss": 2, "h2d": 4, "forward": 17, "optimizer": 19,
+                                                  "backward": 28, "other": 30}
+
+
 def test_self_times_subtract_direct_children_per_thread():
     ops = [dict(name="a", ts=0, dur=10, tid=1), dict(name="b", ts=1, dur=4, tid=1), dict(name="c", ts=2, dur=1, tid=1),
            dict(name="d", ts=6, dur=3, tid=1), dict(name="e", ts=3, dur=5, tid=2)]
@@ -166,6 +179,10 @@ def test_kernels_charged_to_the_phase_and_scope_of_their_launch_and_idle_is_the_
     walls = {k: v["wall_ms"] for k, v in p["phases"].items()}
     assert walls == pytest.approx({"forward": 0.040, "loss": 0.002, "backward": 0.038, "optimizer": 0.015,
                                    "h2d": 0.0, "other": 0.005})
+    # idle gaps [0,3] [8,10] [25,32] [40,50] [70,85] [90,91] [92,97] [98,100], by the CPU's phase meanwhile
+    idle = {k: v["idle_ms"] for k, v in p["phases"].items()}
+    assert idle == pytest.approx({"forward": 0.012, "loss": 0.002, "backward": 0.018, "optimizer": 0.009,
+                                  "h2d": 0.0, "other": 0.004})
     assert [t["name"] for t in p["top"][:2]] == ["pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel",
                                                  "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT"]
     with pytest.raises(ValueError, match="no 'phase/step' range"):
