@@ -52,6 +52,15 @@ def _rows_from_microbatches(mbs, key: str, n: int) -> list[torch.Tensor]:
     return rows  # type: ignore[return-value]
 
 
+def _records_to_host(mbs) -> None:
+    """The log-probs and entropy each microbatch's loss recorded on the device, copied to host memory once
+    the step's work is queued (one copy per microbatch after the optimizer step, not a sync inside each)."""
+    for mb in mbs:
+        for key in ("policy_logprobs", "entropy"):
+            if key in mb:
+                mb[key] = mb[key].cpu()
+
+
 def _scatter_rows(mbs, key: str, rows: list[torch.Tensor]) -> None:
     for mb in mbs:
         scatter_by_sample(mb, key, rows)
@@ -202,13 +211,16 @@ class ActorUpdate:
                 mini_tokens = self._global(sum(float(mb["response_mask"].sum()) for mb in mini))
                 mini_seqs = self._global(sum(n_sequences(mb) for mb in mini))
                 for mb in mini:
+                    # stats stay on the device: no host sync between microbatches (read once, below)
                     stats = self.strategy.forward_backward(
-                        mb, self._loss_fn(mini_tokens, mini_seqs, record=mb), self.temperature, with_entropy=True
+                        mb, self._loss_fn(mini_tokens, mini_seqs, record=mb), self.temperature, with_entropy=True,
+                        stats_on_device=True,
                     )
-                    for k, v in stats.items():
-                        totals[k] = totals.get(k, 0.0) + float(v)
+                    for k, v in stats.items():  # float64 sums: the same numbers as summing Python floats
+                        totals[k] = totals.get(k, 0.0) + (v.double() if isinstance(v, torch.Tensor) else v)
                 step_stats = self.strategy.step()
-        reduced = {k: self._global(v) for k, v in sorted(totals.items())}
+        _records_to_host(mbs)
+        reduced = {k: self._global(float(v)) for k, v in sorted(totals.items())}
         updates = float(n_updates)
         out = {
             "loss": reduced.pop("loss_sum", 0.0) / updates,
@@ -274,10 +286,10 @@ class ActorUpdate:
                 if name in out.metrics:
                     metrics[f"{name}_sum"] = (out.metrics[name].detach().to(mask.dtype) * mask).sum()
             metrics["loss_sum"] = loss.detach()
-            if record is not None:  # the learner's log-probs and entropy in this (last) pass
-                record["policy_logprobs"] = logp_BL.detach().float().cpu()
+            if record is not None:  # the learner's log-probs and entropy in this (last) pass, on the device
+                record["policy_logprobs"] = logp_BL.detach().float()  # until the step ends (_records_to_host)
                 if entropy_BL is not None:
-                    record["entropy"] = entropy_BL.detach().float().cpu()
+                    record["entropy"] = entropy_BL.detach().float()
             return loss, metrics
 
         return loss_fn

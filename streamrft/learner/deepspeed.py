@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from streamrft.learner.base import LossFn
-from streamrft.learner.fsdp2 import _DTYPES, _apply_freeze_prefix, load_pretrained, move_batch
+from streamrft.learner.fsdp2 import _DTYPES, _apply_freeze_prefix, load_pretrained, move_batch, stats_out
 from streamrft.learner.logprobs import token_logprobs
 from streamrft.learner.lora import apply_lora, lora_scaling, merge_lora_named_tensors
 from streamrft.learner.optim import build_lr_scheduler, build_optimizer
@@ -154,7 +154,7 @@ class DeepSpeedStrategy:
         return self._logprobs(mb, temperature, with_entropy)
 
     def forward_backward(self, mb: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
-                         with_entropy: bool = False) -> dict[str, float]:
+                         with_entropy: bool = False, stats_on_device: bool = False) -> dict[str, float]:
         """Accumulate d(loss)/dθ for one microbatch, summed over ranks (see the module docstring)."""
         mb = move_batch(mb, self.device)
         logp_BL, entropy_BL = self._logprobs(mb, temperature, with_entropy)
@@ -162,9 +162,7 @@ class DeepSpeedStrategy:
         if loss.dim() != 0:
             raise ValueError(f"loss_fn returned a loss of shape {tuple(loss.shape)}; it must return a scalar")
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)  # DeepSpeed averages over ranks
-        out = {"loss": float(loss.detach())}
-        out.update({k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()})
-        return out
+        return stats_out(loss, metrics, stats_on_device)
 
     def step(self) -> dict[str, float]:
         """Clip (DeepSpeed gradient_clipping), AdamW step, LR schedule step, zero grads."""

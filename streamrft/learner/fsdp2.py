@@ -127,7 +127,24 @@ def fsdp_unit_names(model: torch.nn.Module) -> list[str]:
 
 
 def move_batch(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+    """The microbatch on ``device``. To a GPU, CPU tensors are pinned first: a copy from pageable memory
+    waits for all work queued on the stream (CUDA synchronises before it), so each microbatch's inputs
+    would stall the host until the previous backward finished; from pinned memory the copy is queued."""
+    pin = device.type == "cuda"
+
+    def moved(v: torch.Tensor) -> torch.Tensor:
+        if pin and v.device.type == "cpu":
+            v = v.pin_memory()
+        return v.to(device, non_blocking=True)
+
+    return {k: moved(v) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+
+
+def stats_out(loss: torch.Tensor, metrics: dict, on_device: bool) -> dict:
+    """A microbatch's loss and metrics: floats (each a host sync), or with ``on_device`` detached tensors
+    the caller sums and reads once per step (no sync between microbatches)."""
+    out = {"loss": loss.detach(), **{k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}}
+    return out if on_device else {k: float(v) for k, v in out.items()}
 
 
 def prefix_matches(name: str, prefix: str) -> bool:
@@ -202,11 +219,12 @@ class FSDP2Strategy:
         return self._logprobs(mb, temperature, with_entropy)
 
     def forward_backward(self, mb: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
-                         with_entropy: bool = False) -> dict[str, float]:
+                         with_entropy: bool = False, stats_on_device: bool = False) -> dict[str, float]:
         """Accumulate d(loss)/dθ for one microbatch; ``loss_fn(mb, logp_BL, entropy_BL) -> (loss, metrics)``.
 
         ``loss`` must already be normalised by global counts; gradients are summed over ranks and
-        microbatches. Returns {"loss": ..., **metrics} as floats.
+        microbatches. Returns {"loss": ..., **metrics} as floats (``stats_on_device``: detached tensors, see
+        ``stats_out``).
         """
         mb = move_batch(mb, self.device)
         logp_BL, entropy_BL = self._logprobs(mb, temperature, with_entropy)
@@ -214,9 +232,7 @@ class FSDP2Strategy:
         if loss.dim() != 0:
             raise ValueError(f"loss_fn returned a loss of shape {tuple(loss.shape)}; it must return a scalar")
         loss.backward()
-        out = {"loss": float(loss.detach())}
-        out.update({k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()})
-        return out
+        return stats_out(loss, metrics, stats_on_device)
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of all trainable gradients (a plain tensor, the same on every rank)."""

@@ -214,3 +214,27 @@ def test_a_padding_microbatch_backpropagates_a_zero_through_every_weight(dist, m
     grads = [p.grad for p in strategy.module.parameters() if p.requires_grad]
     assert grads and all(g is not None for g in grads)
     assert all(float(g.full_tensor().abs().sum() if hasattr(g, "full_tensor") else g.abs().sum()) == 0.0 for g in grads)
+
+
+def test_stats_on_device_are_the_float_stats_as_detached_tensors(dist, model_dir):
+    """The actor reads a step's stats once (stats_on_device=True: no host sync per microbatch); they must be
+    the numbers the float path returns, detached, and the gradients the same."""
+    mbs = _microbatches()
+    n_tokens = float(sum(mb["response_mask"].sum() for mb in mbs))
+
+    def run(on_device: bool):
+        torch.manual_seed(0)
+        strat = FSDP2Strategy(*configs(model_dir), dist, total_steps=1)
+        stats = [strat.forward_backward(mb, _loss_fn(n_tokens), T, stats_on_device=on_device) for mb in mbs]
+        grads = {n: _full(p.grad).clone() for n, p in strat.module.named_parameters() if p.grad is not None}
+        return stats, grads
+
+    floats, grads_f = run(False)
+    tensors, grads_t = run(True)
+    assert all(isinstance(v, float) for s in floats for v in s.values())
+    for f, t in zip(floats, tensors):
+        assert f.keys() == t.keys()
+        for k in f:
+            assert isinstance(t[k], torch.Tensor) and t[k].dim() == 0 and not t[k].requires_grad
+            assert float(t[k]) == f[k]
+    assert grads_f.keys() == grads_t.keys() and all(torch.equal(grads_f[k], grads_t[k]) for k in grads_f)
