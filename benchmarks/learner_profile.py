@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import functools
 import gzip
 import json
@@ -293,8 +294,10 @@ def profile_tables(res: dict) -> str:
         f"({res['cache']} compile cache); profiled {res['profiled_step_s']:.3f} s), {res['tokens_per_s']:.0f} tok/s, "
         f"learner MFU {res['mfu_pct']:.1f} % "
         f"({res['train_tflop']:.1f} TFLOP/step at {res['rate_tflops']:.0f} TFLOP/s: ideal {res['ideal_s']:.3f} s), "
-        f"peak {res['peak_gib']:.1f} GiB (resv {res['peak_reserved_gib']:.1f}); B={res['B']} P={res['P']} R={res['R']} "
-        f"micro_batch_tokens={res['micro_batch_tokens']} microbatches={res['microbatches']}",
+        f"peak {res['peak_gib']:.1f} GiB (resv {res['peak_reserved_gib']:.1f}); B={res['B']} P={res['P']} "
+        + (f"R=longtail (mean {res['response_tokens'] / res['B']:.0f}, cap {res['R']}) " if res.get("workload") == "longtail"
+           else f"R={res['R']} ")
+        + f"micro_batch_tokens={res['micro_batch_tokens']} microbatches={res['microbatches']}",
         f"  {unit} time of the profiled step ({p['window_ms']:.1f} ms wall, {p['n_kernels']} kernels, "
         f"{100 * p['linked_fraction']:.0f} % linked to their launch); % of the step's wall time (streams may overlap)",
         f"  {'category':24} {'ms':>9} {'%step':>6} {'count':>7} " + " ".join(f"{ph:>9}" for ph in PHASES),
@@ -410,8 +413,10 @@ def write_trace(events: list[dict], path: Path, gpu: bool, limit_bytes: int = TR
 
 
 # ---------------------------------------------------------------- the worker ------------------------
-def synthetic_batch(B: int, P: int, R: int, vocab: int, samples: int, seed: int = 0):
-    """B ``TrainSample``s as the feed hands them to ``actor.train_step``: groups of ``samples`` per prompt."""
+def synthetic_batch(B: int, P: int, R: int | list[int], vocab: int, samples: int, seed: int = 0):
+    """B ``TrainSample``s as the feed hands them to ``actor.train_step``: groups of ``samples`` per prompt;
+    every response ``R`` tokens long, or sample i's ``R[i]`` (the long-tailed workload)."""
+    lengths = R if isinstance(R, list) else [R] * B
     import torch
 
     from protocols.pipeline import Completion, ScoredSample
@@ -419,19 +424,19 @@ def synthetic_batch(B: int, P: int, R: int, vocab: int, samples: int, seed: int 
 
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i in range(B):
+    for i, n in enumerate(lengths):
         group, k = divmod(i, samples)
         c = Completion(sample_id=f"g{group}-{k}", group_id=f"g{group}", step=0, prompt_index=group,
                        sample_index=k, prompt_text="", response_text="", n_samples=samples, finish_reason="length",
-                       policy_version=0, prompt_len=P, response_len=R)
+                       policy_version=0, prompt_len=P, response_len=n)
         adv = float(torch.randn((), generator=g))
         out.append(TrainSample(
             header=ScoredSample(completion=c, reward=adv),
             prompt_ids=torch.randint(3, vocab, (P,), generator=g),
-            response_ids=torch.randint(3, vocab, (R,), generator=g),
+            response_ids=torch.randint(3, vocab, (n,), generator=g),
             # a random-init model samples ~uniformly: log-probs near -log V (importance ratios near 1)
-            behaviour_logprobs=-math.log(vocab) + 0.01 * torch.randn(R, generator=g),
-            advantages=torch.full((R,), adv)))
+            behaviour_logprobs=-math.log(vocab) + 0.01 * torch.randn(n, generator=g),
+            advantages=torch.full((n,), adv)))
     return out
 
 
@@ -496,8 +501,10 @@ def run_worker(size: str, wl: dict, out: Path, variant: str, overrides: list[str
     strategy, _reference, _critic, actor = compose.build_learner(cfg, dist)
     build_s = time.perf_counter() - t0
     B, P, R = wl["prompts"] * wl["samples"], wl["prompt_len"], wl["new"]
+    # long-tailed: the lengths gpu_grpo's step 1 generates (the same seeds), so the batch pads and packs alike
+    lengths = wl["shape"].step_lengths(cfg.seed, 1, wl["prompts"], wl["samples"]) if wl["kind"] == "longtail" else [R] * B
     vocab = AutoConfig.from_pretrained(str(out / f"model_{size}")).vocab_size
-    batch = synthetic_batch(B, P, R, vocab, wl["samples"], cfg.seed)
+    batch = synthetic_batch(B, P, lengths, vocab, wl["samples"], cfg.seed)
     install_phase_ranges(actor, strategy)
 
     def timed_step() -> float:
@@ -521,14 +528,16 @@ def run_worker(size: str, wl: dict, out: Path, variant: str, overrides: list[str
             actor.train_step(batch)
             sync()
             profiled_s = time.perf_counter() - t
-    tflop = train_flops(shape_of(AutoConfig.from_pretrained(str(out / f"model_{size}"))), B, P, R) / 1e12
+    shape = shape_of(AutoConfig.from_pretrained(str(out / f"model_{size}")))
+    tflop = sum(train_flops(shape, n, P, r) for r, n in collections.Counter(lengths).items()) / 1e12
     step_s = statistics.median(times)
     res = {
         "size": size, "variant": variant, "overrides": overrides, "device": "cuda" if cuda else "cpu",
-        "cache": cache, "B": B, "P": P, "R": R, "micro_batch_tokens": cfg.train.micro_batch_tokens,
+        "cache": cache, "B": B, "P": P, "R": R, "workload": wl["kind"], "response_tokens": sum(lengths),
+        "micro_batch_tokens": cfg.train.micro_batch_tokens,
         "microbatches": len(actor._microbatches(batch)), "build_s": build_s, "warmup_times": warm_times,
         "step_times": times, "step_s": step_s, "profiled_step_s": profiled_s,
-        "tokens_per_s": B * (P + R) / step_s, "response_tokens_per_s": B * R / step_s,
+        "tokens_per_s": (B * P + sum(lengths)) / step_s, "response_tokens_per_s": sum(lengths) / step_s,
         "train_tflop": tflop, "rate_tflops": rate / 1e12, "ideal_s": tflop * 1e12 / rate,
         "mfu_pct": 100 * tflop * 1e12 / (step_s * rate),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
@@ -598,6 +607,8 @@ def main() -> int:
                                                    "each in its own subprocess; default: one run, no overrides")
     ap.add_argument("--report-dir", default="", help="also write results.json and tables.txt here after each variant")
     ap.add_argument("--trace", default="", help="write a gzipped chrome trace of each profiled step into this dir")
+    ap.add_argument("--workload", choices=["fixed", "longtail"], default="fixed",
+                    help="fixed: every response R tokens; longtail: gpu_grpo's log-normal lengths (median 512, cap 4096)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per variant (its subprocess is killed after)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size", default="", help=argparse.SUPPRESS)
@@ -609,7 +620,7 @@ def main() -> int:
     if a.worker:
         overrides = json.loads(a.overrides)
         try:
-            res = run_worker(a.size, workload(a.tiny, "fixed", a.size), out, a.variant, overrides, a.warmup,
+            res = run_worker(a.size, workload(a.tiny, a.workload, a.size), out, a.variant, overrides, a.warmup,
                              a.steps, a.rate, a.trace)
         except Exception as exc:  # noqa: BLE001 - reported in the summary; the parent exits 1
             import traceback
@@ -637,7 +648,7 @@ def main() -> int:
     write_reward_config(out / "cfg_profile.yaml")
     for name, over in variants:
         try:
-            cfg = load_config(out / "cfg_profile.yaml", learner_overrides(workload(a.tiny, "fixed", sizes[0])) + over)
+            cfg = load_config(out / "cfg_profile.yaml", learner_overrides(workload(a.tiny, a.workload, sizes[0])) + over)
             validate_config(cfg, 1, check_paths=False)
         except Exception as exc:  # noqa: BLE001 - any config error, named
             raise SystemExit(f"--variants: variant {name!r} ({' '.join(over) or 'no overrides'}): {exc}") from None
@@ -655,7 +666,7 @@ def main() -> int:
     folders = [out] + ([Path(a.report_dir)] if a.report_dir else [])
     results: list[dict] = []
     for size in sizes:
-        wl = workload(a.tiny, "fixed", size)
+        wl = workload(a.tiny, a.workload, size)
         t0 = time.perf_counter()
         build_model(size, wl, out, device)
         if device == "cuda":
@@ -666,7 +677,7 @@ def main() -> int:
             res_path.unlink(missing_ok=True)
             cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--size", size, "--variant", name,
                    "--overrides", json.dumps(over), "--steps", str(a.steps), "--warmup", str(a.warmup),
-                   "--rate", repr(rate), "--trace", a.trace] + (["--tiny"] if a.tiny else [])
+                   "--rate", repr(rate), "--trace", a.trace, "--workload", a.workload] + (["--tiny"] if a.tiny else [])
             t0 = time.perf_counter()
             try:
                 subprocess.run(cmd, timeout=a.timeout, check=False)

@@ -287,3 +287,13 @@ def test_tiny_end_to_end_on_cpu(tmp_path):
     assert (tmp_path / "tr" / "trace_tiny_base.json.gz").stat().st_size > 1000
     tables = (tmp_path / "rep" / "tables.txt").read_text()
     assert "GEMM (LM head)" in tables and "idle (no kernel running)" in tables and "top 30 by total time" in tables
+
+
+def test_synthetic_batch_takes_per_sample_lengths_for_the_long_tailed_workload():
+    from learner_profile import synthetic_batch
+
+    batch = synthetic_batch(4, 3, [5, 1, 9, 2], vocab=50, samples=2)
+    assert [len(s.response_ids) for s in batch] == [5, 1, 9, 2]
+    assert all(len(s.behaviour_logprobs) == len(s.advantages) == len(s.response_ids) for s in batch)
+    assert [s.header.completion.group_id for s in batch] == ["g0", "g0", "g1", "g1"]
+    assert [len(s.response_ids) for s in synthetic_batch(2, 3, 4, vocab=50, samples=2)] == [4, 4]
