@@ -26,6 +26,16 @@ from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
 T = 0.9
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_compile_thread():
+    """Inductor compiles its C++ kernels in a pool of worker processes as wide as the machine; on the 2 cores
+    of CI, starting that pool costs more than it saves (measured 107 s -> 65 s for the fixture's compile)."""
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(compile_threads=1):
+        yield
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny"))
@@ -35,6 +45,7 @@ def model_dir(tmp_path_factory):
 
 
 def _strategy(dist, model_dir, compile_layers, **model):
+    torch.manual_seed(0)  # LoRA's A matrices are drawn at random: the same draw for the eager and the compiled one
     mcfg = ModelConfig(path=model_dir, dtype="float32", attn_implementation="sdpa", **model)
     tcfg = TrainConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.05, compile_layers=compile_layers)
     return FSDP2Strategy(mcfg, tcfg, dist, total_steps=10)
@@ -129,6 +140,35 @@ def test_generation_with_a_kv_cache_runs_the_layers_eagerly(compiled, model_dir)
     plain.load_state_dict(compiled[1][2])  # the compiled learner's updated weights
     with torch.no_grad():
         torch.testing.assert_close(got, plain(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_lora_and_packed_masks_compose_with_compiled_layers(monkeypatch, dist, model_dir):
+    """HF's checkpoint wrapper inside the compiled forward (Dynamo traces torch.utils.checkpoint, AOTAutograd
+    recomputes in the compiled backward under FSDP2's eager hooks), peft's LoRA linears and packed rows'
+    4-D block-diagonal masks: the compiled step equals the eager one. Compiled with the aot_eager backend
+    (Dynamo + AOTAutograd, eager kernels): what these settings change is the traced graph, and Inductor's
+    C++ kernels for such a graph are covered by the fixture's test; a second Inductor compile would cost
+    another minute of CI."""
+    from streamrft.learner.packing import make_packed_microbatches
+
+    compiler = compiling.CompiledOrEager(compiling._layer_forward, "train.compile_layers", "running the decoder layers",
+                                         dynamic=True, backend="aot_eager")
+    monkeypatch.setitem(compiling._LAYER_COMPILERS, False, compiler)
+    g = torch.Generator().manual_seed(5)
+    samples = [SequenceSample(torch.randint(3, 30, (p,), generator=g).tolist(),
+                              torch.randint(3, 30, (r,), generator=g).tolist(),
+                              {"adv": torch.randn(r, generator=g)}) for p, r in [(3, 4), (2, 5), (6, 3), (4, 8), (5, 6)]]
+    mbs = make_packed_microbatches(samples, token_budget=20)
+    assert [tuple(mb["attention_mask"].shape) for mb in mbs] == [(1, 1, 16, 16), (1, 1, 18, 18), (1, 1, 12, 12)]
+    assert [len(mb["sample_index"]) for mb in mbs] == [2, 2, 1]  # block-diagonal: two samples in a row
+    model = dict(gradient_checkpointing=True, lora_rank=4, lora_alpha=8.0, lora_target_modules=["q_proj", "gate_proj"])
+    want = _train_step(_strategy(dist, model_dir, False, **model), mbs)
+    before = _graphs()
+    strat = _strategy(dist, model_dir, True, **model)
+    got = _train_step(strat, mbs)
+    assert _graphs() - before == 1 and not compiler.failed
+    assert any(".lora_B." in k and not torch.equal(v, torch.zeros_like(v)) for k, v in got[2].items())
+    _assert_same_step(got, want)
 
 
 def test_a_failed_layer_compile_warns_once_and_runs_eagerly(monkeypatch, model_dir):
