@@ -1,6 +1,7 @@
 """``compile_cache_dir``: where compiled kernels are kept, so a later run skips compiling them.
 
 Two compilers run in a GPU run: torch.compile (Inductor) for the fused LM-head log-probs (``train.compile_head``)
+and the decoder layers (``train.compile_layers``, compiled at the learner's first forward, after this is applied)
 and Triton for the static-cache engine's decode kernels (``engine.decode_kernels``). Both keep their output on
 disk and reuse it: Inductor's FX-graph cache under ``TORCHINDUCTOR_CACHE_DIR`` (its default is
 ``/tmp/torchinductor_$USER``), Triton's under ``TRITON_CACHE_DIR`` (default ``~/.triton/cache``). Those
