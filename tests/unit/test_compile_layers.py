@@ -1,7 +1,8 @@
 """train.compile_layers (streamrft/learner/compiling.py): the FSDP2 learner with its decoder layers compiled by
 Inductor (its C++ backend here) gives the eager learner's loss, grad norm and updated weights; one graph
 serves every layer and every microbatch length; generation with a KV cache stays eager; a failed compile
-falls back once, loudly; DeepSpeed refuses the key.
+falls back once, loudly; gradient checkpointing, LoRA, packing and a vision-language model compose with it;
+DeepSpeed refuses the key.
 
 Compiling costs tens of seconds on a shared 2-core machine, so one compiled learner (module fixture) serves
 the equality, graph-count and generation checks.
@@ -142,6 +143,14 @@ def test_generation_with_a_kv_cache_runs_the_layers_eagerly(compiled, model_dir)
         torch.testing.assert_close(got, plain(input_ids=ids).logits, atol=1e-5, rtol=0)
 
 
+def _aot_eager_layers(monkeypatch) -> compiling.CompiledOrEager:
+    compiler = compiling.CompiledOrEager(compiling._layer_forward, "train.compile_layers", "running the decoder layers",
+                                         dynamic=True, backend="aot_eager")
+    monkeypatch.setitem(compiling._LAYER_COMPILERS, False, compiler)
+    return compiler
+
+
+@pytest.mark.slow
 def test_gradient_checkpointing_lora_and_packed_masks_compose_with_compiled_layers(monkeypatch, dist, model_dir):
     """HF's checkpoint wrapper inside the compiled forward (Dynamo traces torch.utils.checkpoint, AOTAutograd
     recomputes in the compiled backward under FSDP2's eager hooks), peft's LoRA linears and packed rows'
@@ -151,9 +160,7 @@ def test_gradient_checkpointing_lora_and_packed_masks_compose_with_compiled_laye
     another minute of CI."""
     from streamrft.learner.packing import make_packed_microbatches
 
-    compiler = compiling.CompiledOrEager(compiling._layer_forward, "train.compile_layers", "running the decoder layers",
-                                         dynamic=True, backend="aot_eager")
-    monkeypatch.setitem(compiling._LAYER_COMPILERS, False, compiler)
+    compiler = _aot_eager_layers(monkeypatch)
     g = torch.Generator().manual_seed(5)
     samples = [SequenceSample(torch.randint(3, 30, (p,), generator=g).tolist(),
                               torch.randint(3, 30, (r,), generator=g).tolist(),
@@ -169,6 +176,34 @@ def test_gradient_checkpointing_lora_and_packed_masks_compose_with_compiled_laye
     assert _graphs() - before == 1 and not compiler.failed
     assert any(".lora_B." in k and not torch.equal(v, torch.zeros_like(v)) for k, v in got[2].items())
     _assert_same_step(got, want)
+
+
+@pytest.mark.slow
+def test_a_vision_language_model_compiles_only_its_language_layers(monkeypatch, dist, tmp_path):
+    """Qwen2-VL: the language decoder layers take the M-RoPE cos/sin as inputs and run compiled (aot_eager, as
+    above), the vision blocks stay eager FSDP units; the gradients of a media microbatch equal the eager ones."""
+    from tests.unit.test_vl_fsdp_units import _media_microbatch
+    from streamrft.learner.fsdp2 import media_encoder_units
+    from streamrft.models.vl import build_tiny_qwen2_vl
+
+    compiler = _aot_eager_layers(monkeypatch)
+    path = build_tiny_qwen2_vl(str(tmp_path), "0123456789abc ", num_layers=2, vision_depth=2)
+    mb = _media_microbatch(path)
+    grads, losses = [], []
+    for compile_layers in (False, True):
+        torch.manual_seed(0)
+        strat = FSDP2Strategy(ModelConfig(path=path), TrainConfig(lr=1e-2, compile_layers=compile_layers), dist, 2)
+        before = _graphs()
+        losses.append(strat.forward_backward(mb, lambda mb, lp, ent: (-(lp * mb["adv"]).sum(), {}), 1.0)["loss"])
+        grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                      for n, p in strat.module.named_parameters() if p.grad is not None})
+    assert [compiling.is_compiled_layer(m) for m in decoder_layers(strat.module)] == [True, True]
+    assert not any(compiling.is_compiled_layer(m) for m in media_encoder_units(strat.module))
+    assert _graphs() - before == 1 and not compiler.failed
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert set(grads[1]) == set(grads[0]) and any(n.startswith("model.visual.") for n in grads[0])
+    for n, g in grads[1].items():
+        torch.testing.assert_close(g, grads[0][n], atol=1e-6, rtol=1e-5, msg=lambda m: n + m)
 
 
 def test_a_failed_layer_compile_warns_once_and_runs_eagerly(monkeypatch, model_dir):
