@@ -55,12 +55,15 @@ def _strategy(dist, model_dir, compile_layers, **model):
 def _microbatches():
     """Three microbatches of two rows each, 9, 7 and 12 tokens long (a dimension first seen as 1 would be
     specialised by PyTorch, see learner/compiling.py)."""
-    g = torch.Generator().manual_seed(3)
-    samples = [SequenceSample(torch.randint(3, 30, (p,), generator=g).tolist(),
-                              torch.randint(3, 30, (r,), generator=g).tolist(),
-                              {"adv": torch.randn(r, generator=g)})
-               for p, r in [(3, 4), (2, 5), (6, 3), (4, 8), (5, 6), (2, 3)]]
-    return make_microbatches(samples, token_budget=24)
+    return make_microbatches(_samples(3, [(3, 4), (2, 5), (6, 3), (4, 8), (5, 6), (2, 3)]), token_budget=24)
+
+
+def _samples(seed, lengths):
+    """(prompt, response) lengths -> samples with random tokens and advantages."""
+    g = torch.Generator().manual_seed(seed)
+    return [SequenceSample(torch.randint(3, 30, (p,), generator=g).tolist(),
+                           torch.randint(3, 30, (r,), generator=g).tolist(),
+                           {"adv": torch.randn(r, generator=g)}) for p, r in lengths]
 
 
 def _loss_fn(n_tokens):
@@ -161,11 +164,7 @@ def test_gradient_checkpointing_lora_and_packed_masks_compose_with_compiled_laye
     from streamrft.learner.packing import make_packed_microbatches
 
     compiler = _aot_eager_layers(monkeypatch)
-    g = torch.Generator().manual_seed(5)
-    samples = [SequenceSample(torch.randint(3, 30, (p,), generator=g).tolist(),
-                              torch.randint(3, 30, (r,), generator=g).tolist(),
-                              {"adv": torch.randn(r, generator=g)}) for p, r in [(3, 4), (2, 5), (6, 3), (4, 8), (5, 6)]]
-    mbs = make_packed_microbatches(samples, token_budget=20)
+    mbs = make_packed_microbatches(_samples(5, [(3, 4), (2, 5), (6, 3), (4, 8), (5, 6)]), token_budget=20)
     assert [tuple(mb["attention_mask"].shape) for mb in mbs] == [(1, 1, 16, 16), (1, 1, 18, 18), (1, 1, 12, 12)]
     assert [len(mb["sample_index"]) for mb in mbs] == [2, 2, 1]  # block-diagonal: two samples in a row
     model = dict(gradient_checkpointing=True, lora_rank=4, lora_alpha=8.0, lora_target_modules=["q_proj", "gate_proj"])
