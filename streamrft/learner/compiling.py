@@ -1,8 +1,8 @@
 """torch.compile with an eager fallback, and the regional compile of decoder layers (``train.compile_layers``).
 
-``CompiledOrEager(fn, key, what)`` runs ``torch.compile(fn)``; when compiling fails (no working C++ compiler
-for Inductor's CPU backend, no Triton), it warns once, naming the config key, and runs ``fn`` eagerly from
-then on: the same values, only slower. A compile error surfaces at the first call of a new graph, before
+``CompiledOrEager(fn, key, what)`` (used by ``train.compile_head``'s LM-head kernels and by the layers below) runs
+``torch.compile(fn)``; when compiling fails (no working C++ compiler for Inductor's CPU backend, no Triton), it
+warns once, naming the config key, and runs ``fn`` eagerly from then on: the same values, only slower. A compile error surfaces at the first call of a new graph, before
 any of its kernels ran (AOTAutograd compiles the backward graph together with the forward), so rerunning the
 call eagerly computes it exactly once.
 

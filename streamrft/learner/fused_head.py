@@ -40,10 +40,11 @@ goes back through autograd, which adds it to the embedding's own (tied) and fire
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import torch.nn.functional as F
+
+from streamrft.learner.compiling import CompiledOrEager
 
 _FILL = torch.finfo(torch.float32).min  # the banned ids' scaled logit, as logprobs.py's checkpoint kernel
 
@@ -122,33 +123,19 @@ def chunk_grad_logits(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch
     return dz_NV.mul_(inv_temperature).to(weight_VH.dtype)
 
 
-# compile-or-eager with one warning, as logprobs.py's checkpoint kernel does for train.compile_head
-_compiled: dict[str, object] = {}
-_compile_failed = False
+# compiled at their first call; a failed compile warns once and runs eagerly (learner/compiling.py)
+_ELEMENTWISE = {name: CompiledOrEager(fn, "train.compile_head", "computing the fused LM head's elementwise part",
+                                      dynamic=True)
+                for name, fn in (("stats", chunk_stats), ("grad", chunk_grad_logits))}
 
 
 def _elementwise(name: str, device: torch.device, compile_head: bool):
     """``chunk_stats`` or ``chunk_grad_logits``: under ``torch.compile`` on CUDA when asked; if compiling
-    fails (no working Triton or C compiler), one warning and eager from then on (same values, slower)."""
-    eager = {"stats": chunk_stats, "grad": chunk_grad_logits}[name]
-    if not compile_head or device.type != "cuda" or _compile_failed:
-        return eager
-    if name not in _compiled:
-        _compiled[name] = torch.compile(eager, dynamic=True)
-
-    def run(*args):
-        global _compile_failed
-        if not _compile_failed:
-            try:
-                return _compiled[name](*args)
-            except (torch._dynamo.exc.TorchDynamoException, ImportError) as exc:
-                _compile_failed = True
-                warnings.warn(f"train.compile_head: torch.compile failed ({type(exc).__name__}: {exc}); "
-                              "computing the fused LM head's elementwise part eagerly (set "
-                              "train.compile_head=false to skip)")
-        return eager(*args)
-
-    return run
+    fails (no working Triton or C compiler), one warning and eager from then on (same values, slower). A
+    failure of either turns both eager: the same compiler builds them."""
+    if not compile_head or device.type != "cuda" or any(c.failed for c in _ELEMENTWISE.values()):
+        return {"stats": chunk_stats, "grad": chunk_grad_logits}[name]
+    return _ELEMENTWISE[name]
 
 
 # torch.profiler range names around the Function's forward and backward: benchmarks/learner_profile.py tags the

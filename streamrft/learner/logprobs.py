@@ -20,13 +20,12 @@ Packed microbatches (``packing.py``) carry a 4-D block-diagonal boolean attentio
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from streamrft.config.train import HEAD_KERNELS
+from streamrft.learner.compiling import CompiledOrEager
 from streamrft.learner.fused_head import fused_logp_entropy
 
 # rows per chunk when the caller gives none. Eagerly the fused kernel peaks at ~2 float32 (chunk, V) blocks
@@ -57,22 +56,10 @@ def _chunk_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: tor
     return logp_N, entropy_N
 
 
-_compiled_chunk = None
-_compile_failed = False
-
-
-def _compiled_or_eager(*args):
-    """The compiled chunk; if compiling fails (no working Triton or C compiler here), say so once and
-    run eagerly from then on: the same values, only slower."""
-    global _compile_failed
-    if not _compile_failed:
-        try:
-            return _compiled_chunk(*args)
-        except (torch._dynamo.exc.TorchDynamoException, ImportError) as exc:
-            _compile_failed = True
-            warnings.warn(f"train.compile_head: torch.compile failed ({type(exc).__name__}: {exc}); "
-                          "computing the LM-head log-probs eagerly (set train.compile_head=false to skip)")
-    return _chunk_logp_entropy(*args)
+# compiled at its first call; if compiling fails (no working Triton or C compiler here), one warning and eager
+# from then on: the same values, only slower (learner/compiling.py)
+_COMPILED_CHUNK = CompiledOrEager(_chunk_logp_entropy, "train.compile_head", "computing the LM-head log-probs",
+                                  dynamic=True)
 
 
 def _chunk_function(device: torch.device, compile_head: bool):
@@ -81,12 +68,9 @@ def _chunk_function(device: torch.device, compile_head: bool):
     Eagerly, one chunk makes about eight float32 passes over its (chunk, V) logits forward and more in
     backward (cast, scale, log-softmax, gather, exp, product, sum); compiled, the softmax statistics,
     gather and entropy fuse into one pass over the head's output, and the backward into one more."""
-    global _compiled_chunk
     if not compile_head or device.type != "cuda":
         return _chunk_logp_entropy
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_chunk_logp_entropy, dynamic=True)
-    return _compiled_or_eager
+    return _COMPILED_CHUNK
 
 
 def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_ids_BL: torch.Tensor,

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from streamrft.learner import fused_head
+from streamrft.learner.compiling import CompiledOrEager
 from streamrft.learner.fused_head import fused_logp_entropy
 from streamrft.learner.logprobs import logprobs_from_hidden
 
@@ -260,8 +261,11 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
         calls.append(1)
         raise torch._dynamo.exc.TorchDynamoException("backend compiler failed: no triton here")
 
-    monkeypatch.setattr(fused_head, "_compiled", {"stats": broken, "grad": broken})
-    monkeypatch.setattr(fused_head, "_compile_failed", False)
+    compilers = {name: CompiledOrEager(fn, "train.compile_head", "computing the fused LM head's elementwise part")
+                 for name, fn in (("stats", fused_head.chunk_stats), ("grad", fused_head.chunk_grad_logits))}
+    for c in compilers.values():
+        c.compiled = broken  # as if torch.compile had returned a function that fails to compile at its first call
+    monkeypatch.setattr(fused_head, "_ELEMENTWISE", compilers)
     fn = fused_head._elementwise("stats", torch.device("cuda"), compile_head=True)  # a device object; no GPU needed
     h, w, t = torch.randn(5, 8), torch.randn(30, 8), torch.randint(0, 30, (5,))
     with pytest.warns(UserWarning, match="train.compile_head: torch.compile failed"):

@@ -4,6 +4,7 @@ always runs eagerly, so there is nothing to compare there), and a failed compile
 import pytest
 import torch
 
+from streamrft.learner.compiling import CompiledOrEager
 from streamrft.learner.logprobs import logprobs_from_hidden
 
 
@@ -38,8 +39,9 @@ def test_a_failed_compile_warns_once_and_computes_eagerly(monkeypatch):
         calls.append(1)
         raise torch._dynamo.exc.TorchDynamoException("backend compiler failed: no triton here")
 
-    monkeypatch.setattr(logprobs, "_compiled_chunk", broken)
-    monkeypatch.setattr(logprobs, "_compile_failed", False)
+    compiler = CompiledOrEager(logprobs._chunk_logp_entropy, "train.compile_head", "computing the LM-head log-probs")
+    compiler.compiled = broken  # as if torch.compile had returned a function that fails to compile at its first call
+    monkeypatch.setattr(logprobs, "_COMPILED_CHUNK", compiler)
     fn = logprobs._chunk_function(torch.device("cuda"), compile_head=True)  # a device object; no GPU needed
     h, w, t = torch.randn(5, 8), torch.randn(30, 8), torch.randint(0, 30, (5,))
     with pytest.warns(UserWarning, match="train.compile_head: torch.compile failed"):
