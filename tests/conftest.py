@@ -18,30 +18,29 @@ def dist():
 
 
 
-# `make test` runs two groups (see the Makefile): "workers" in two pytest-xdist workers, a file each, and
-# "serial" in one process. Every test outside tests/integration is in "workers", and so is an integration
-# module marked `in_process`; the other integration tests start ranks, engines or services whose timeouts
-# fired when two of them shared CI's two cores, so they run one at a time.
-GROUPS = ("workers", "serial")
+# `make test` runs two groups (see the Makefile). "unit": every test outside tests/integration, and an
+# integration module marked `in_process`; "integration": the other integration tests, which start ranks,
+# engines or services whose timeouts fired when two of them shared CI's two cores, so they run one at a time.
+GROUPS = ("unit", "integration")
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
 def pytest_addoption(parser):
     parser.addoption("--test-group", choices=GROUPS, default=None,
-                     help="run only make test's 'workers' group (tests outside tests/integration and integration "
-                          "modules marked in_process) or its 'serial' group (the other integration tests)")
+                     help="run only make test's 'unit' group (tests outside tests/integration and integration "
+                          "modules marked in_process) or its 'integration' group (the other integration tests)")
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "in_process: an integration test that runs in pytest's own process on one thread (no ranks, "
-        "engine or service processes), so `make test` runs it in its two-worker group")
+        "engine or service processes), so `make test` runs it in its unit group")
 
 
 def group_of(item) -> str:
     if INTEGRATION in item.path.parents and item.get_closest_marker("in_process") is None:
-        return "serial"
-    return "workers"
+        return "integration"
+    return "unit"
 
 
 def pytest_collection_modifyitems(config, items):

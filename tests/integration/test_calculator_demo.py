@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-# in pytest's own process, one thread: `make test` runs it in the two-worker group (tests/conftest.py)
+# in pytest's own process, one thread: `make test` runs it in the unit group (tests/conftest.py)
 pytestmark = pytest.mark.in_process
 CONFIG = Path(__file__).resolve().parents[2] / "pipelines" / "calculator" / "config.yaml"
 STEPS = 10

@@ -17,7 +17,7 @@ import math
 import pytest
 
 pytest.importorskip("av")
-# in pytest's own process, one thread: `make test` runs it in the two-worker group (tests/conftest.py)
+# in pytest's own process, one thread: `make test` runs it in the unit group (tests/conftest.py)
 pytestmark = pytest.mark.in_process
 
 
