@@ -45,8 +45,8 @@ demo-calculator: $(BASE_STAMP)
 	OMP_NUM_THREADS=2 $(PY) pipelines/calculator/demo.py pipelines/calculator/config.yaml
 
 # Two groups (tests/conftest.py draws the line); both always run and make fails if either failed. "unit": every test
-# outside tests/integration (unit tests, tests/engines) and the integration modules marked in_process (pytest's own
-# process, one thread: the calculator, audio, video and image training runs). "integration": the other integration
+# outside tests/integration (unit tests, tests/engines) and the integration modules marked one_process (one busy
+# process at a time, one thread: the calculator, audio, video and image training runs in pytest's process, ...). "integration": the other integration
 # tests; they start ranks, engines or services, and two of them side by side on CI's 2 cores fired their timeouts,
 # so they run one at a time (PYTEST_WORKERS=N: N workers, a test file each, on a machine with cores to spare).
 # `make test` runs the unit group in one process BESIDE the integration group: those tests mostly wait on their
@@ -63,7 +63,7 @@ test: $(DEV_STAMP)
 	$(PYTEST) --durations=25 --test-group=unit tests >$$log 2>&1 & unit=$$!; \
 	$(PYTEST) $(call workers,$(PYTEST_WORKERS)) --durations=25 --test-group=integration tests/integration || rc=1; \
 	wait $$unit || rc=1; \
-	echo "== make test: the unit group (tests outside tests/integration and in_process modules), run beside it =="; \
+	echo "== make test: the unit group (tests outside tests/integration and one_process modules), run beside it =="; \
 	cat $$log; rm -f $$log; exit $$rc
 
 test-fast: $(DEV_STAMP)

@@ -19,7 +19,7 @@ def dist():
 
 
 # `make test` runs two groups (see the Makefile). "unit": every test outside tests/integration, and an
-# integration module marked `in_process`; "integration": the other integration tests, which start ranks,
+# integration module marked `one_process`; "integration": the other integration tests, which start ranks,
 # engines or services whose timeouts fired when two of them shared CI's two cores, so they run one at a time.
 GROUPS = ("unit", "integration")
 INTEGRATION = Path(__file__).resolve().parent / "integration"
@@ -28,17 +28,18 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 def pytest_addoption(parser):
     parser.addoption("--test-group", choices=GROUPS, default=None,
                      help="run only make test's 'unit' group (tests outside tests/integration and integration "
-                          "modules marked in_process) or its 'integration' group (the other integration tests)")
+                          "modules marked one_process) or its 'integration' group (the other integration tests)")
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "in_process: an integration test that runs in pytest's own process on one thread (no ranks, "
-        "engine or service processes), so `make test` runs it in its unit group")
+        "markers", "one_process: an integration test that keeps one process busy at a time on one thread (pytest's "
+        "own, or one subprocess pytest waits on; no ranks, engine or service beside it), so `make test` runs it in "
+        "its unit group")
 
 
 def group_of(item) -> str:
-    if INTEGRATION in item.path.parents and item.get_closest_marker("in_process") is None:
+    if INTEGRATION in item.path.parents and item.get_closest_marker("one_process") is None:
         return "integration"
     return "unit"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 # in pytest's own process, one thread: `make test` runs it in the unit group (tests/conftest.py)
-pytestmark = pytest.mark.in_process
+pytestmark = pytest.mark.one_process
 CONFIG = Path(__file__).resolve().parents[2] / "pipelines" / "calculator" / "config.yaml"
 STEPS = 10
 

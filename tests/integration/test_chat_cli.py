@@ -11,7 +11,9 @@ import pytest
 
 from tests.integration.conftest import REPO
 
-pytestmark = pytest.mark.slow
+# one busy process at a time (pytest's, or one subprocess it waits on): `make test` runs it in the unit group
+# (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.one_process]
 
 
 def greedy(model_dir, prompts, max_new_tokens):

@@ -12,7 +12,7 @@ import pytest
 from streamrft.config import load_config
 
 # in pytest's own process, one thread: `make test` runs it in the unit group (tests/conftest.py)
-pytestmark = pytest.mark.in_process
+pytestmark = pytest.mark.one_process
 REPO = Path(__file__).resolve().parents[2]
 N_SAMPLES, PROMPTS, STEPS = 4, 4, 3
 

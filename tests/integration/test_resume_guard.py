@@ -14,7 +14,9 @@ import pytest
 
 from tests.integration.conftest import REPO, arith_overrides
 
-pytestmark = pytest.mark.slow
+# one busy process at a time (pytest's, or one subprocess it waits on): `make test` runs it in the unit group
+# (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.one_process]
 CONFIG = REPO / "pipelines" / "arith" / "config.yaml"
 
 

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("av")
 # in pytest's own process, one thread: `make test` runs it in the unit group (tests/conftest.py)
-pytestmark = pytest.mark.in_process
+pytestmark = pytest.mark.one_process
 
 
 @pytest.mark.slow
