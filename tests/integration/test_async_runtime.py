@@ -99,7 +99,8 @@ def test_replay_of_a_recorded_run_is_bitwise(staleness_1_run):
     assert [r["loss"] for r in replayed] == [r["loss"] for r in steps(out)]
 
 
-@pytest.mark.parametrize("placement", ["colocated", "async"])
+# colocated: one busy process at a time, so `make test` runs it in the unit group (tests/conftest.py)
+@pytest.mark.parametrize("placement", [pytest.param("colocated", marks=pytest.mark.one_process), "async"])
 def test_kill_9_then_resume_keeps_accounting_and_trains_no_sample_twice(warm_arith, tmp_path, placement):
     """Staleness 1 (the next step's groups are in flight at every checkpoint): SIGKILL of the learner
     after step 5 (async: its engine process dies with it), resume from the step-4 checkpoint. The

@@ -70,6 +70,8 @@ def test_item8_five_identical_deterministic_runs_give_identical_losses(warm_arit
         assert other == results[0]
 
 
+# one busy process at a time: `make test` runs it in the unit group (tests/conftest.py)
+@pytest.mark.one_process
 def test_item8_ten_random_sigkills_and_resumes_give_the_uninterrupted_losses(warm_arith, tmp_path, uninterrupted):
     out = tmp_path / "killed"
     rng = random.Random(0)

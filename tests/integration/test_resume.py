@@ -132,6 +132,8 @@ def assert_resume_is_exact(arith_dir, tmp_path, ranks: int, *saving: str) -> Non
     assert read_meta(complete_checkpoints(ref)[-1][1])["async_save"] is ("checkpoint.async_save=true" in saving)
 
 
+# one busy process at a time: `make test` runs it in the unit group (tests/conftest.py)
+@pytest.mark.one_process
 def test_a_killed_one_rank_run_resumes_bitwise_like_an_uninterrupted_one(arith_dir, tmp_path):
     assert_resume_is_exact(arith_dir, tmp_path, ranks=1)
 
@@ -141,6 +143,8 @@ def test_a_killed_two_rank_run_resumes_bitwise_like_an_uninterrupted_one(arith_d
     assert_resume_is_exact(arith_dir, tmp_path, 2, "checkpoint.async_save=true")
 
 
+# one busy process at a time: `make test` runs it in the unit group (tests/conftest.py)
+@pytest.mark.one_process
 def test_sigterm_saves_the_last_completed_step_and_exits_cleanly(arith_dir, tmp_path):
     cmd, env = command(arith_dir, tmp_path, 1, "train.max_steps=1000")
     code, out = sigterm_after_step(cmd, env, step=2)
