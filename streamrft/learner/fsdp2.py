@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from streamrft.config.train import compile_layers_enabled
 from streamrft.learner.base import LossFn
 from streamrft.learner.compiling import compile_decoder_layers
 from streamrft.learner.memory import bucketed, move_module_and_optimizer
@@ -199,7 +200,8 @@ class FSDP2Strategy:
         model.config.use_cache = False
         model.train()  # HF gradient checkpointing is active only in train mode
         self.module = shard_model(model, dist, self.compute_dtype, train_cfg.compile_head, train_cfg.head_kernel,
-                                  train_cfg.compile_layers, train_cfg.deterministic).to(self.device)
+                                  compile_layers_enabled(train_cfg, dist.device.type),
+                                  train_cfg.deterministic).to(self.device)
         for m in fsdp_modules(self.module):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

@@ -234,3 +234,22 @@ def test_deepspeed_refuses_compile_layers_before_any_model_loads(tmp_path):
     with pytest.raises(ConfigError) as err:
         validate_config(cfg, 1, check_paths=False)
     assert "train.compile_layers is set but train.strategy='deepspeed'" in str(err.value)
+
+
+def test_auto_compiles_the_layers_for_fsdp2_on_a_gpu_only(tmp_path):
+    """The default (auto) is on where the H200 measured it (fsdp2 on CUDA: benchmarks/NOTES.md v7) and off on CPU
+    and for DeepSpeed; true and false are what they say; a deepspeed config with the default is valid."""
+    from streamrft.config.train import compile_layers_enabled
+
+    auto = TrainConfig()
+    assert auto.compile_layers == "auto"
+    assert compile_layers_enabled(auto, "cuda") and not compile_layers_enabled(auto, "cpu")
+    assert not compile_layers_enabled(TrainConfig(strategy="deepspeed"), "cuda")
+    assert compile_layers_enabled(TrainConfig(compile_layers=True), "cpu")
+    assert not compile_layers_enabled(TrainConfig(compile_layers=False), "cuda")
+    (tmp_path / "c.yaml").write_text("reward:\n  sources:\n    - {name: c, type: rule, fn: gsm8k}\n")
+    validate_config(load_config(tmp_path / "c.yaml", ["train.strategy=deepspeed"]), 1, check_paths=False)
+    for value, want in (("true", True), ("false", False), ("auto", "auto")):
+        assert load_config(tmp_path / "c.yaml", [f"train.compile_layers={value}"]).train.compile_layers == want
+    with pytest.raises(ConfigError, match="compile_layers"):
+        load_config(tmp_path / "c.yaml", ["train.compile_layers=sometimes"])
