@@ -45,10 +45,11 @@ demo-calculator: $(BASE_STAMP)
 	OMP_NUM_THREADS=2 $(PY) pipelines/calculator/demo.py pipelines/calculator/config.yaml
 
 # Two groups (tests/conftest.py draws the line); both always run and make fails if either failed. "unit": every test
-# outside tests/integration (unit tests, tests/engines) and the integration modules marked one_process (one busy
-# process at a time, one thread: the calculator, audio, video and image training runs in pytest's process, ...). "integration": the other integration
-# tests; they start ranks, engines or services, and two of them side by side on CI's 2 cores fired their timeouts,
-# so they run one at a time (PYTEST_WORKERS=N: N workers, a test file each, on a machine with cores to spare).
+# outside tests/integration (unit tests, tests/engines) and the integration tests marked one_process (one busy
+# process at a time, one thread: pytest's own, as in the calculator, video, audio and image training runs, or one
+# subprocess it waits on, as in the one-rank resume and SIGKILL tests). "integration": the other integration tests;
+# they start ranks, engines or services, and two of them side by side on CI's 2 cores fired their timeouts, so
+# they run one at a time (PYTEST_WORKERS=N: N workers, a test file each, on a machine with cores to spare).
 # `make test` runs the unit group in one process BESIDE the integration group: those tests mostly wait on their
 # subprocesses (CI's `time` measured ~1 core busy on average over the whole run), so the unit group fills the
 # other core; its output follows the integration group's. `make test-fast` runs the unit group first, in
