@@ -19,7 +19,7 @@ def dist():
 
 
 # `make test` runs two groups (see the Makefile). "unit": every test outside tests/integration, and an
-# integration module marked `one_process`; "integration": the other integration tests, which start ranks,
+# integration test marked `one_process`; "integration": the other integration tests, which start ranks,
 # engines or services whose timeouts fired when two of them shared CI's two cores, so they run one at a time.
 GROUPS = ("unit", "integration")
 INTEGRATION = Path(__file__).resolve().parent / "integration"
@@ -27,8 +27,8 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 def pytest_addoption(parser):
     parser.addoption("--test-group", choices=GROUPS, default=None,
-                     help="run only make test's 'unit' group (tests outside tests/integration and integration "
-                          "modules marked one_process) or its 'integration' group (the other integration tests)")
+                     help="run only make test's 'unit' group (tests outside tests/integration and integration tests "
+                          "marked one_process) or its 'integration' group (the other integration tests)")
 
 
 def pytest_configure(config):
