@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from streamrft.algorithms import value_loss
 from streamrft.learner.fsdp2 import move_batch
-from streamrft.learner.logprobs import attention_mask_for
+from streamrft.learner.logprobs import text_mask_and_positions
 from streamrft.learner.optim import build_lr_scheduler, build_optimizer
 
 if TYPE_CHECKING:
@@ -60,8 +60,8 @@ class ValueModel(torch.nn.Module):
             self.head.bias.zero_()
 
     def forward(self, input_ids, attention_mask, position_ids, response_mask) -> torch.Tensor:
-        hidden_BLH = self.backbone(input_ids=input_ids, attention_mask=attention_mask_for(self.backbone, attention_mask),
-                                   position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden_BLH = self.backbone(input_ids=input_ids, use_cache=False,
+                                   **text_mask_and_positions(self.backbone, attention_mask, position_ids)).last_hidden_state
         v_BL = self.head(hidden_BLH).squeeze(-1).float()
         shifted_BL = torch.cat([torch.zeros_like(v_BL[:, :1]), v_BL[:, :-1]], dim=1)  # V at t from h[t-1]
         keep_BL = response_mask.bool() & (position_ids != 0)

@@ -162,10 +162,9 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
         return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
                                     mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"],
                                     media_placeholder_ids(model), compile_head, head_kernel)
-    hidden_BLH = model.get_decoder()(
-        input_ids=mb["input_ids"], attention_mask=attention_mask_for(model, mb["attention_mask"]),
-        position_ids=mb["position_ids"], use_cache=False,
-    ).last_hidden_state
+    hidden_BLH = model.get_decoder()(input_ids=mb["input_ids"], use_cache=False,
+                                     **text_mask_and_positions(model, mb["attention_mask"], mb["position_ids"]),
+                                     ).last_hidden_state
     if torch.is_grad_enabled():
         hidden_BLH = _touch_audio_tower(model, hidden_BLH)
     return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
@@ -256,6 +255,26 @@ def _audio_hidden(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.
         attention_mask=attention_mask_for(model, mb["attention_mask"]), position_ids=mb["position_ids"],
         use_cache=False,
     ).last_hidden_state
+
+
+def causal_only(mask: torch.Tensor) -> bool:
+    """Whether a text forward may drop a 2-D padding mask: on a GPU. Microbatches are right-padded
+    (``microbatch.collate``): under the causal mask a real token attends only to earlier positions, all real,
+    so the padding mask changes no output the loss reads (padded positions' own outputs change; their
+    response_mask is 0). With a padding mask SDPA leaves its causal flash/cuDNN kernels for masked ones
+    (the H200's long-tailed workload, padded in nearly every microbatch, trained 2.1x slower per token than
+    the unpadded one), and transformers checks the mask for padding with a host sync. The CPU keeps the mask:
+    its SDPA has no faster causal path, and the recorded CPU fixtures keep their bits."""
+    return mask.dim() == 2 and mask.device.type == "cuda"
+
+
+def text_mask_and_positions(model: torch.nn.Module, mask: torch.Tensor, position_ids: torch.Tensor) -> dict:
+    """attention_mask and position_ids for a text-only forward: both None where ``causal_only`` (transformers
+    then numbers positions 0..L-1, the same as ours on real tokens, and does not read padded position ids as
+    packed-sequence starts); else ``attention_mask_for``'s mask and the microbatch's positions."""
+    if causal_only(mask):
+        return {"attention_mask": None, "position_ids": None}
+    return {"attention_mask": attention_mask_for(model, mask), "position_ids": position_ids}
 
 
 def attention_mask_for(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor | None:

@@ -62,3 +62,43 @@ def test_gradients_through_the_checkpointed_chunks_equal_the_direct_gradients():
     ((want_logp * mb["adv"]).sum() + 0.1 * want_ent.sum()).backward()
     for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
         torch.testing.assert_close(p1.grad, p2.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_right_padded_microbatch_without_its_padding_mask_gives_the_same_logprobs_and_gradients(monkeypatch):
+    """On a GPU the text forward drops the 2-D padding mask and the position ids (logprobs.causal_only: causal
+    SDPA kernels). Forced here on the CPU: log-probs, entropy and every gradient equal the masked forward's,
+    because right padding is never attended to by a real token under the causal mask."""
+    import streamrft.learner.logprobs as lp
+    from streamrft.learner.critic import ValueModel
+
+    mb, T = _batch(), 0.9
+    assert (mb["attention_mask"] == 0).any()  # rows of different lengths: padded
+    assert lp.text_mask_and_positions(None, mb["attention_mask"], mb["position_ids"])["attention_mask"] is mb["attention_mask"]
+
+    def run(drop: bool):
+        monkeypatch.setattr(lp, "causal_only", lambda mask: drop and mask.dim() == 2)
+        model = _tiny_model()
+        logp, ent = token_logprobs(model, mb, T, with_entropy=True, chunk_size=4)
+        ((logp * mb["adv"]).sum() + 0.1 * ent.sum()).backward()
+        critic = ValueModel(_tiny_model(seed=3).model)
+        values = critic(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["response_mask"])
+        return logp.detach(), ent.detach(), {n: p.grad for n, p in model.named_parameters()}, values.detach()
+
+    got, want = run(True), run(False)
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[3], want[3], atol=1e-6, rtol=0)
+    # without the padding mask, padded positions do change: the test would see a mask that mattered
+    monkeypatch.setattr(lp, "causal_only", lambda mask: mask.dim() == 2)
+    kw = lp.text_mask_and_positions(None, mb["attention_mask"], mb["position_ids"])
+    assert kw == {"attention_mask": None, "position_ids": None}
+
+
+def test_only_a_2d_mask_on_a_gpu_is_dropped():
+    from streamrft.learner.logprobs import causal_only
+
+    assert not causal_only(torch.ones(2, 5, dtype=torch.long))  # the CPU keeps its mask
+    assert not causal_only(torch.ones(1, 1, 5, 5, dtype=torch.bool))  # a packed (block-diagonal) mask is needed
