@@ -242,8 +242,9 @@ def test_a_real_cpu_profile_through_the_chrome_trace(tmp_path):
     cats = p["categories"]
     assert cats["gemm"]["by_phase"]["forward"] > 0 and cats["gemm"]["by_phase"]["backward"] > 0
     assert cats["elementwise"]["count"] > 0
-    # self times of one thread's ops never add up to more than the step
-    assert 0 < p["kernel_ms"] <= p["busy_ms"] + 1e-6 <= p["window_ms"] + 2e-6
+    # self times of one thread's ops never add up to more than the step (0.1 us of float rounding in sums of
+    # thousands of microsecond timestamps; an op counted twice would be >= 1 us over)
+    assert 0 < p["kernel_ms"] <= p["busy_ms"] + 1e-4 and p["busy_ms"] <= p["window_ms"] + 1e-4
 
 
 def test_a_bad_variant_stops_before_any_model_is_built(tmp_path, monkeypatch):
