@@ -238,3 +238,42 @@ def test_stats_on_device_are_the_float_stats_as_detached_tensors(dist, model_dir
             assert isinstance(t[k], torch.Tensor) and t[k].dim() == 0 and not t[k].requires_grad
             assert float(t[k]) == f[k]
     assert grads_f.keys() == grads_t.keys() and all(torch.equal(grads_f[k], grads_t[k]) for k in grads_f)
+
+
+def test_frozen_lora_base_is_stored_in_the_compute_dtype_and_trains_bitwise_like_a_float32_copy(dist, model_dir,
+                                                                                               monkeypatch):
+    """bf16 compute with LoRA: the frozen base is stored in bf16 (half the memory of a float32 copy), the adapters
+    in float32; the loss, the adapters' gradients and their values after AdamW are bitwise those of a run that
+    keeps the frozen base in float32 (the mixed-precision cast gives the forward the same bf16 values)."""
+    import msgspec
+
+    import streamrft.learner.fsdp2 as fsdp2
+
+    mbs = _microbatches()
+    n_tokens = float(sum(mb["response_mask"].sum() for mb in mbs))
+
+    def run():
+        mcfg, tcfg = configs(model_dir)
+        mcfg = msgspec.structs.replace(mcfg, dtype="bfloat16", lora_rank=4, lora_alpha=8.0,
+                                       lora_target_modules=["q_proj", "down_proj"])
+        torch.manual_seed(0)
+        strat = FSDP2Strategy(mcfg, tcfg, dist, total_steps=1)
+        losses = [strat.forward_backward(mb, _loss_fn(n_tokens), T)["loss"] for mb in mbs]
+        params = dict(strat.module.named_parameters())
+        grads = {n: _full(p.grad).clone() for n, p in params.items() if p.grad is not None}
+        strat.step()
+        dtypes = {n: p.dtype for n, p in params.items()}
+        adapters = {n: _full(p).detach().clone() for n, p in params.items() if p.requires_grad}
+        return losses, grads, adapters, dtypes
+
+    losses, grads, adapters, dtypes = run()
+    assert adapters and all(".lora_" in n for n in adapters)
+    assert {dtypes[n] for n in adapters} == {torch.float32}
+    assert {d for n, d in dtypes.items() if n not in adapters} == {torch.bfloat16}
+    monkeypatch.setattr(fsdp2, "store_frozen_in", lambda model, dtype: None)
+    want_losses, want_grads, want_adapters, want_dtypes = run()
+    assert {d for n, d in want_dtypes.items() if n not in adapters} == {torch.float32}
+    assert losses == want_losses
+    assert grads.keys() == want_grads.keys() == adapters.keys()
+    assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
+    assert all(torch.equal(adapters[n], want_adapters[n]) for n in adapters)
