@@ -16,7 +16,11 @@ class Strategy(Protocol):
     world_size: int
     device: torch.device
 
-    def forward_backward(self, microbatch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]: ...
+    def forward_backward(self, microbatch: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
+                         with_entropy: bool = False, stats_on_device: bool = False) -> dict[str, float]:
+        """Accumulate gradients of one microbatch; its loss and metrics as floats, or with ``stats_on_device`` as
+        detached device tensors the caller reads once per step (no host sync between microbatches)."""
+        ...
 
     def step(self) -> dict[str, float]:
         """Clip, optimizer step, LR schedule, zero grads; returns grad_norm and lr."""
