@@ -64,7 +64,7 @@ def tensors_to_frames(tensors: Mapping[str, torch.Tensor] | None) -> tuple[list[
             raise TensorFrameError(f"tensor name {name!r} must be a non-empty string")
         if not isinstance(tensor, torch.Tensor):
             raise TensorFrameError(f"tensors[{name!r}] is a {type(tensor).__name__}, expected a torch.Tensor")
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:  # (is_cpu: no torch.device object built per tensor)
             raise TensorFrameError(
                 f"tensors[{name!r}] is on device {tensor.device}; channels carry CPU bytes, "
                 f"send tensors[{name!r}].cpu() (or keep it on the device and send a handle)"
@@ -103,12 +103,7 @@ def frames_to_tensors(specs: Sequence[TensorSpec], buffers: Sequence[memoryview]
             )
         if spec.name in tensors:
             raise ProtocolError(f"tensor name {spec.name!r} appears twice in the header")
-        if not all(type(dim) is int for dim in spec.shape):
-            raise ProtocolError(f"tensor {spec.name!r} has a non-integer dimension in shape {list(spec.shape)}")
-        if any(dim < 0 for dim in spec.shape):
-            raise ProtocolError(f"tensor {spec.name!r} has a negative dimension in shape {list(spec.shape)}")
-        if any(dim > MAX_DIM for dim in spec.shape):
-            raise ProtocolError(f"tensor {spec.name!r} has a dimension above 2**62 in shape {list(spec.shape)}")
+        _check_shape(spec)
         numel = math.prod(spec.shape)
         expected = numel * dtype.itemsize
         nbytes = memoryview(buffer).nbytes
@@ -127,14 +122,27 @@ def frames_to_tensors(specs: Sequence[TensorSpec], buffers: Sequence[memoryview]
     return tensors
 
 
+def _check_shape(spec: TensorSpec) -> None:
+    """ProtocolError unless every dimension is an int in [0, 2**62] (one pass: it runs for every tensor of
+    every pipeline message)."""
+    for dim in spec.shape:
+        if type(dim) is not int:
+            raise ProtocolError(f"tensor {spec.name!r} has a non-integer dimension in shape {list(spec.shape)}")
+        if dim < 0:
+            raise ProtocolError(f"tensor {spec.name!r} has a negative dimension in shape {list(spec.shape)}")
+        if dim > MAX_DIM:
+            raise ProtocolError(f"tensor {spec.name!r} has a dimension above 2**62 in shape {list(spec.shape)}")
+
+
 def _view(buffer: memoryview, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> torch.Tensor:
     if numel == 0:
         # torch.frombuffer refuses an empty buffer; an empty tensor owns no bytes anyway.
         return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(buffer, dtype=torch.uint8)
-    if flat.data_ptr() % dtype.itemsize:
+    # Viewed in its dtype at once (the caller checked the byte count), not as uint8 and then as dtype:
+    # one tensor op less per tensor of every message.
+    tensor = torch.frombuffer(buffer, dtype=dtype)
+    if tensor.data_ptr() % dtype.itemsize:
         # libzmq may hand over a frame that starts at any offset of its receive buffer;
         # kernels assume dtype-aligned memory, so copy the (rare) misaligned frame.
-        flat = flat.clone()
-    tensor = flat.view(dtype)
+        tensor = torch.frombuffer(buffer, dtype=torch.uint8).clone().view(dtype)
     return tensor if len(shape) == 1 else tensor.reshape(shape)

@@ -1,0 +1,76 @@
+"""The rollout's per-sample pipeline tail on the CPU: gpu_grpo.py's StreamRFT worker on the tiny model with
+64 prompts x 8 samples and 4 new tokens (generation is ~0.1 s of a rollout; the rest is each sample crossing
+generator -> reward -> advantage -> learner feed). Prints the rollout seconds of every step and the median
+over steps 2..N-1; ``--profile DIR`` also writes a cProfile of one steady rollout (step 3), sorted by
+cumulative and by own time.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tail_bench.py --out /tmp/tail [--steps 6] [--profile /tmp/tail]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_grpo  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--profile", default="", help="folder for the cProfile of step 3's rollout")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wl = gpu_grpo.workload(True)
+    wl.update(prompts=64, samples=8, new=4, micro_batch=64)
+    gpu_grpo.build_model("tiny", wl, out, "cpu")
+    # Every rollout's event-loop CPU seconds (the main thread's thread_time while waiting for the batch): the
+    # engine's forwards run in worker threads (asyncio.to_thread), so this is the per-sample tail's own work,
+    # far less noisy on a shared machine than the wall time.
+    from streamrft.runtime.pipeline import Pipeline
+
+    take, cpu = Pipeline.take, []
+
+    async def timed_take(self, step, learner_version):
+        prof = cProfile.Profile() if a.profile and len(cpu) == 2 else None
+        t0 = time.thread_time()
+        if prof is not None:
+            prof.enable()
+        try:
+            return await take(self, step, learner_version)
+        finally:
+            if prof is not None:
+                prof.disable()
+            cpu.append(time.thread_time() - t0)
+            if prof is not None:
+                for key in ("cumulative", "tottime"):
+                    s = io.StringIO()
+                    pstats.Stats(prof, stream=s).sort_stats(key).print_stats(45)
+                    (Path(a.profile) / f"profile_{key}.txt").write_text(s.getvalue())
+
+    Pipeline.take = timed_take
+    res = gpu_grpo.run_streamrft("tiny", wl, out, a.steps, fast=True)
+    if "error" in res:
+        raise SystemExit(res["error"])
+    print(json.dumps({"rollout_s_median": res["rollout_s"], "step_s": res["step_s"],
+                      "rollouts": [round(t, 3) for t in res["rollout_times"]],
+                      # steps 2..N: the first builds the decoder; the profiled one (3rd) is left out
+                      "loop_cpu_s_median": statistics.median(c for i, c in enumerate(cpu[1:], 1) if not (a.profile and i == 2)),
+                      "loop_cpu_s": [round(c, 3) for c in cpu]}))
+
+
+if __name__ == "__main__":
+    main()
