@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import uuid
 
 from protocols import Completion, Control, ScoredSample
@@ -78,6 +79,12 @@ class Pipeline:
         """Start every stage's task; the Generator plans from ``start_step`` on (a resumed run starts
         after its checkpoint). The gate stays closed until ``resume``."""
         self.generator.start_step = start_step
+        # Everything alive now (modules, engine, tokenizer, imported code: ~400k objects for the tiny CPU
+        # model) lives for the whole run; out of the collector's full passes it no longer makes each
+        # generation-2 collection walk it: those passes cost 0.24 s each inside a rollout of 512 samples
+        # (one step in three), 0.02-0.03 s frozen (benchmarks/NOTES.md, "v7: the rollout tail on CPU").
+        # Frozen objects are still freed by reference counting; stop() unfreezes them.
+        gc.freeze()
         for stage in self.stages:
             task = asyncio.create_task(stage.run(), name=f"{stage.name}-rank{self.ctx.rank}")
             self.tasks[task] = stage.name
@@ -161,6 +168,7 @@ class Pipeline:
         Sockets close before the tasks are awaited, so a stage blocked in recv gets ChannelClosed
         even if its cancellation was swallowed (asyncio.wait_for in Python 3.11 can lose a cancel
         that races with its inner future)."""
+        gc.unfreeze()  # what launch() froze is collectable again (cycles among it are freed)
         for task in self.tasks:
             task.cancel()
         for sock in self._sockets:
