@@ -17,7 +17,6 @@ def dist():
     destroy_distributed()
 
 
-
 # `make test` runs two groups (see the Makefile). "unit": every test outside tests/integration, and an
 # integration test marked `one_process`; "integration": the other integration tests, which start ranks,
 # engines or services whose timeouts fired when two of them shared CI's two cores, so they run one at a time.
