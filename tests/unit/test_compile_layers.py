@@ -22,7 +22,6 @@ from streamrft.config.train import TrainConfig
 from streamrft.learner import compiling
 from streamrft.learner.fsdp2 import FSDP2Strategy, decoder_layers
 from streamrft.learner.microbatch import SequenceSample, make_microbatches
-from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
 
 T = 0.9
 
@@ -35,14 +34,6 @@ def one_compile_thread():
 
     with torch._inductor.config.patch(compile_threads=1):
         yield
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny"))
-    tok = build_char_tokenizer(d, "0123456789+-=abcdefghijklmnopq")
-    return build_tiny_qwen2(d, tok, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                            intermediate_size=64, max_position_embeddings=64)
 
 
 def _strategy(dist, model_dir, compile_layers, **model):

@@ -10,7 +10,6 @@ from transformers import AutoModelForCausalLM
 from streamrft.learner.fsdp2 import FSDP2Strategy
 from streamrft.learner.microbatch import SequenceSample, make_microbatches
 from streamrft.learner.reference import FrozenReference
-from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
 
 T = 0.9
 
@@ -28,14 +27,6 @@ def configs(path, **train):
         return ModelConfig(**m), TrainConfig(**t)
     except TypeError:  # config tree broken in this checkout
         return types.SimpleNamespace(**m), types.SimpleNamespace(**t)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("tiny"))
-    tok = build_char_tokenizer(d, "0123456789+-=abcdefghijklmnopq")
-    return build_tiny_qwen2(d, tok, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                            intermediate_size=64, max_position_embeddings=64)
 
 
 def _microbatches():

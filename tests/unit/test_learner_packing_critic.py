@@ -10,17 +10,8 @@ from streamrft.config.train import TrainConfig
 from streamrft.learner.critic import Critic, ValueModel
 from streamrft.learner.microbatch import SequenceSample, make_microbatches
 from streamrft.learner.packing import make_packed_microbatches, rows_by_sample
-from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
 
 EPS = 0.2
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("critic"))
-    tok = build_char_tokenizer(d, "0123456789+-=abcdefghijklmnopq")
-    return build_tiny_qwen2(d, tok, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                            intermediate_size=64, max_position_embeddings=64)
 
 
 def _samples():
