@@ -156,6 +156,28 @@ def test_tied_embeddings_accumulate_head_and_embedding_gradients():
     assert not torch.allclose(head_only.embed.weight.grad[ids], fused.embed.weight.grad[ids], atol=1e-4)
 
 
+def _both_kernels(h, w, b, target, g_logp, g_ent, banned):
+    """``logprobs_from_hidden`` with the fused and with the checkpoint kernel on one sequence whose row t-1 is h's
+    row predicting target t (position 0 predicts nothing: one extra zero row), in h's dtype, backward of
+    g_logp . logp + g_ent . H: {kernel: (logp, entropy, dhidden, dW, db)}."""
+    ids = torch.zeros(1, N + 1, dtype=torch.long)
+    ids[0, 1:] = target
+    mask = torch.ones(1, N + 1)
+    hidden = torch.cat([h.detach(), torch.zeros(1, H, dtype=h.dtype)]).unsqueeze(0).requires_grad_()
+    head = torch.nn.Linear(H, V).to(h.dtype)
+    with torch.no_grad():
+        head.weight.copy_(w)
+        head.bias.copy_(b)
+    out = {}
+    for kernel in ("fused", "checkpoint"):
+        hidden.grad, head.weight.grad, head.bias.grad = None, None, None
+        lp, en = logprobs_from_hidden(hidden, head, ids, mask, T, True, chunk_size=4, banned_ids=banned,
+                                      head_kernel=kernel)
+        (lp[0, 1:] * g_logp + en[0, 1:] * g_ent).sum().backward()
+        out[kernel] = (lp.detach(), en.detach(), hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone())
+    return out
+
+
 def test_bf16_matches_float64_within_bf16_rounding_and_the_checkpoint_kernel_closely():
     h, w, b, target, g_logp, g_ent = _inputs(dtype=torch.bfloat16)
     logp, ent, grads = _run_fused(h, w, b, target, g_logp, g_ent, 4)
@@ -175,21 +197,7 @@ def test_bf16_matches_float64_within_bf16_rounding_and_the_checkpoint_kernel_clo
         torch.testing.assert_close(x.double(), y.double(), atol=2.0 ** -6 * float(y.abs().max()), rtol=0)
     # against the checkpoint kernel in bf16 (the same bf16 head output): float32 rounding apart from the
     # values, one bf16 rounding of dz apart in the gradients
-    ids = torch.zeros(1, N + 1, dtype=torch.long)
-    ids[0, 1:] = target
-    mask = torch.ones(1, N + 1)
-    hidden = torch.cat([h.detach(), torch.zeros(1, H, dtype=torch.bfloat16)]).unsqueeze(0).requires_grad_()
-    head = torch.nn.Linear(H, V).to(torch.bfloat16)
-    with torch.no_grad():
-        head.weight.copy_(w)
-        head.bias.copy_(b)
-    out = {}
-    for kernel in ("fused", "checkpoint"):
-        hidden.grad, head.weight.grad, head.bias.grad = None, None, None
-        lp, en = logprobs_from_hidden(hidden, head, ids, mask, T, True, chunk_size=4, banned_ids=BANNED,
-                                      head_kernel=kernel)
-        (lp[0, 1:] * g_logp + en[0, 1:] * g_ent).sum().backward()
-        out[kernel] = (lp, en, hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone())
+    out = _both_kernels(h, w, b, target, g_logp, g_ent, BANNED)
     for x, y in zip(out["fused"], out["checkpoint"]):
         torch.testing.assert_close(x.float(), y.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out["fused"][0], out["checkpoint"][0], atol=1e-5, rtol=0)
@@ -216,7 +224,6 @@ def test_logprobs_from_hidden_fused_equals_checkpoint_with_packed_positions():
         logprobs_from_hidden(hidden, head, ids, mask, T, True, head_kernel="fast")
 
 
-
 @pytest.mark.parametrize("g_scale", [0.2, 4.0])
 @pytest.mark.parametrize("banned", [BANNED, None], ids=["banned", "no_banned"])
 def test_checkpoint_kernel_equals_fused_and_float64_with_large_entropy_gradients(banned, g_scale):
@@ -224,28 +231,15 @@ def test_checkpoint_kernel_equals_fused_and_float64_with_large_entropy_gradients
     log p, inf for |g_H| > 1, then by p = 0: nan in every gradient of the row (log-softmax's backward sums
     it). The checkpoint kernel's values and gradients must equal the fused kernel's (and float64's) for any g_H."""
     h, w, b, target, g_logp, g_ent = _inputs()
-    ids = torch.zeros(1, N + 1, dtype=torch.long)
-    ids[0, 1:] = target
-    mask = torch.ones(1, N + 1)
-    hidden = torch.cat([h.detach(), torch.zeros(1, H)]).unsqueeze(0).requires_grad_()  # row t-1 predicts t
-    head = torch.nn.Linear(H, V)
-    with torch.no_grad():
-        head.weight.copy_(w)
-        head.bias.copy_(b)
-    out = {}
-    for kernel in ("fused", "checkpoint"):
-        hidden.grad, head.weight.grad, head.bias.grad = None, None, None
-        lp, en = logprobs_from_hidden(hidden, head, ids, mask, T, True, chunk_size=4, banned_ids=banned,
-                                      head_kernel=kernel)
-        (lp[0, 1:] * g_logp + en[0, 1:] * g_ent * g_scale).sum().backward()
-        out[kernel] = (lp[0, 1:].detach(), en[0, 1:].detach(), hidden.grad[0, :N].clone(),
-                       head.weight.grad.clone(), head.bias.grad.clone())
+    out = _both_kernels(h, w, b, target, g_logp, g_ent * g_scale, banned)
     assert all(torch.isfinite(x).all() for x in out["checkpoint"]), "nan/inf in the checkpoint kernel's outputs"
     for name, x, y in zip(("logp", "entropy", "dh", "dW", "db"), out["fused"], out["checkpoint"]):
         torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     h2, w2, b2 = _fresh(h, w, b)
     want = _run_reference(h2, w2, b2, target, g_logp, g_ent * g_scale, banned)
-    for name, x, y in zip(("logp", "entropy", "dh", "dW", "db"), out["checkpoint"], want[:2] + tuple(want[2])):
+    lp, en, dh, dw, db = out["checkpoint"]
+    got = (lp[0, 1:], en[0, 1:], dh[0, :N], dw, db)  # the rows of h (the sequence's position 0 predicts nothing)
+    for name, x, y in zip(("logp", "entropy", "dh", "dW", "db"), got, want[:2] + tuple(want[2])):
         torch.testing.assert_close(x.double(), y.double(), atol=1e-5 * max(1.0, g_scale), rtol=1e-5,
                                    msg=lambda m: f"{name}: {m}")
     if banned:  # the banned rows of the head get exactly no gradient
