@@ -9,7 +9,10 @@ bad spec stops the benchmark before any model is built (an error naming the vari
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+from pathlib import Path
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")  # goes into file names (run_SIZE_streamrft-NAME-r1)
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")  # section.key (dotted, no top-level)
@@ -105,3 +108,15 @@ def plan_jobs(sizes: list[str], systems: list[str], variants: list[tuple[str, li
     if "eager" in systems:
         jobs.append(dict(size=sizes[0], kind="eager", tag="eager", variant="", overrides=[]))
     return jobs
+
+
+def worker_result(cmd: list[str], res_path: Path, timeout: float, env: dict | None = None) -> dict:
+    """Run one worker subprocess (a system or a variant, gpu_grpo.py and learner_profile.py) and read the result
+    JSON it writes to ``res_path``; a worker that wrote none, or ran past ``timeout`` seconds, gives
+    {"error": why}: the parent reports it and goes on with the next."""
+    res_path.unlink(missing_ok=True)
+    try:
+        subprocess.run(cmd, timeout=timeout, check=False, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after --timeout {timeout:g} s"}
+    return json.loads(res_path.read_text()) if res_path.exists() else {"error": "the worker wrote no result file"}

@@ -32,7 +32,6 @@ import os  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -489,7 +488,7 @@ def tiny_size(size: str) -> str:
 
 def main() -> None:
     from bench_firststep import LAUNCH_ENV
-    from bench_variants import parse_variants, plan_jobs
+    from bench_variants import parse_variants, plan_jobs, worker_result
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -578,15 +577,9 @@ def main() -> None:
                "--variant", job["variant"], "--overrides", json.dumps(job["overrides"]),
                "--steps", str(a.steps), "--workload", a.workload] + (["--tiny"] if a.tiny else [])
         t0 = time.perf_counter()
-        res_path = out / f"res_{size}_{tag}.json"
-        res_path.unlink(missing_ok=True)
-        try:
-            env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") if system == "async" else os.environ.copy()
-            env[LAUNCH_ENV] = repr(time.time())  # the worker's first-step breakdown starts here
-            subprocess.run(cmd, timeout=a.timeout, check=False, env=env)
-            res = json.loads(res_path.read_text()) if res_path.exists() else {"error": "no result file"}
-        except subprocess.TimeoutExpired:
-            res = {"error": f"timed out after {a.timeout} s"}
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") if system == "async" else os.environ.copy()
+        env[LAUNCH_ENV] = repr(time.time())  # the worker's first-step breakdown starts here
+        res = worker_result(cmd, out / f"res_{size}_{tag}.json", a.timeout, env)
         res.setdefault("system", tag)
         res.setdefault("size", size)
         res.setdefault("variant", job["variant"])

@@ -37,7 +37,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -593,7 +592,7 @@ def write_report(results: list[dict], folders: list[Path]) -> str:
 
 
 def main() -> int:
-    from bench_variants import parse_variants
+    from bench_variants import parse_variants, worker_result
     from gpu_grpo import SHAPES, tiny_size, workload
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -673,17 +672,11 @@ def main() -> int:
             torch.cuda.empty_cache()
         print(f"[{size}] model built in {time.perf_counter() - t0:.1f} s", flush=True)
         for name, over in variants:
-            res_path = out / f"res_{size}_{name}.json"
-            res_path.unlink(missing_ok=True)
             cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--size", size, "--variant", name,
                    "--overrides", json.dumps(over), "--steps", str(a.steps), "--warmup", str(a.warmup),
                    "--rate", repr(rate), "--trace", a.trace, "--workload", a.workload] + (["--tiny"] if a.tiny else [])
             t0 = time.perf_counter()
-            try:
-                subprocess.run(cmd, timeout=a.timeout, check=False)
-                res = json.loads(res_path.read_text()) if res_path.exists() else {"error": "the worker wrote no result"}
-            except subprocess.TimeoutExpired:
-                res = {"error": f"timed out after --timeout {a.timeout:.0f} s"}
+            res = worker_result(cmd, out / f"res_{size}_{name}.json", a.timeout)
             res.setdefault("size", size)
             res.setdefault("variant", name)
             res.setdefault("overrides", over)
