@@ -35,6 +35,8 @@ def _read_jsonl(path: Path) -> Iterator[TrajectoryRecord]:
             try:
                 yield _json_decoder.decode(line)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                if not line.endswith(b"\n"):
+                    return  # the last line, still being written (or its writer was killed inside write(2))
                 raise ValueError(f"{path}:{line_number}: not a TrajectoryRecord: {exc}") from None
 
 

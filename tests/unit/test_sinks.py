@@ -39,6 +39,45 @@ def test_jsonl_sink_writes_one_file_per_rank_with_one_record_per_line(tmp_path):
     assert [msgspec.json.decode(line, type=TrajectoryRecord) for line in lines] == records
 
 
+def test_jsonl_sink_writes_whole_lines_only_even_when_its_buffer_fills(tmp_path, monkeypatch):
+    import streamrft.sinks.jsonl as jsonl
+
+    monkeypatch.setattr(jsonl, "_FLUSH_BYTES", 6000)  # three records; the old file buffer cut lines anywhere
+    sink = JsonlSink(tmp_path, run_id="r", rank=0)
+    path = tmp_path / "r-rank0.jsonl"
+    written = []
+    for record in synthetic_records(40, rank=0):
+        sink.write(record)
+        written.append(record)
+        on_disk = path.read_bytes()
+        assert on_disk == b"" or on_disk.endswith(b"\n")
+    assert len(path.read_bytes().splitlines()) == 39  # written early, three at a time (~2.6 kB each)
+    sink.close()
+    assert list(read_trajectories(path)) == written
+
+
+def test_a_torn_last_line_is_skipped_by_the_reader_and_cut_off_when_the_sink_reopens(tmp_path, capsys):
+    first, second, third = synthetic_records(3, rank=0)
+    path = tmp_path / "r-rank0.jsonl"
+    whole = msgspec.json.encode(first) + b"\n"
+    path.write_bytes(whole + msgspec.json.encode(second)[:37])  # killed inside write(2)
+    assert list(read_trajectories(path)) == [first]
+    sink = JsonlSink(tmp_path, run_id="r", rank=0)
+    assert path.read_bytes() == whole
+    assert f"{path}: cut off a torn last line (37 bytes" in capsys.readouterr().out
+    sink.write(third)
+    sink.close()
+    assert list(read_trajectories(path)) == [first, third]
+
+
+def test_a_bad_line_before_the_last_is_an_error_naming_file_and_line(tmp_path):
+    first, second = synthetic_records(2, rank=0)
+    path = tmp_path / "r-rank0.jsonl"
+    path.write_bytes(msgspec.json.encode(first) + b"\n{oops\n" + msgspec.json.encode(second) + b"\n")
+    with pytest.raises(ValueError, match=f"{path}:2: not a TrajectoryRecord"):
+        list(read_trajectories(path))
+
+
 def test_parquet_sink_rolls_files_every_rows_per_file_and_reads_back_equal(tmp_path):
     records = synthetic_records(10)
     sink = ParquetSink(tmp_path, rows_per_file=4, run_id="run7", rank=0)
