@@ -510,7 +510,8 @@ def _from_json(state: dict) -> dict:
 
 
 def reset_steps_log(path: str | Path, start_step: int) -> None:
-    """steps.jsonl at the start of a run: removed when starting fresh (start_step 0); on resume, kept
+    """A per-step JSON Lines log (steps.jsonl, batches/index-rank{r}.jsonl: lines with a 1-based "step") at
+    the start of a run: removed when starting fresh (start_step 0); on resume, kept
     through step ``start_step`` and appended to afterwards (lines of steps that will run again, logged
     after the checkpoint was taken, are dropped so each step appears once).
 

@@ -24,6 +24,7 @@ async def train_loop(run) -> dict[str, float]:
     decide → train (in a worker thread: the stages keep moving) → checkpoint → push weights; evaluate
     again. A resumed run skips the "before" evaluation and reports the checkpoint's."""
     from streamrft.checkpoint import reset_steps_log
+    from streamrft.runtime.replay import batches_dir
 
     cfg, phase, pipeline = run.cfg, run.phase, run.pipeline
     started = time.perf_counter()
@@ -33,6 +34,8 @@ async def train_loop(run) -> dict[str, float]:
     pipeline.launch(start_step=start)
     if run.dist.rank == 0:
         reset_steps_log(Path(cfg.output_dir) / "steps.jsonl", start)
+    # the per-rank index of what each step took: steps a resumed run repeats (and a fresh run's) start over
+    reset_steps_log(batches_dir(cfg.output_dir) / f"index-rank{run.dist.rank}.jsonl", start)
     await phase.enter_rollout(version=resumed.policy_version if resumed else 0)
     if resumed is None:
         run.checkpointer.summary_before = {f"{k}_before": v for k, v in (await _evaluate_held(run)).items()}

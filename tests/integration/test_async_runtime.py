@@ -151,3 +151,5 @@ def test_kill_9_then_resume_keeps_accounting_and_trains_no_sample_twice(warm_ari
     lineage = [r for r in first if r["step"] < 4 and r["status"] == "trained"] + [r for r in resumed if r["status"] == "trained"]
     ids = [r["sample_id"] for r in lineage]
     assert len(ids) == len(set(ids)) == 8 * 16 * 8
+    index = (out / "batches" / "index-rank0.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in index] == list(range(1, 9))  # the killed run's step 5 logged once
