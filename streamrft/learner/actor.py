@@ -42,14 +42,16 @@ _TOKEN_METRICS = {
 }
 
 
-def _rows_from_microbatches(mbs, key: str, n: int) -> list[torch.Tensor]:
-    """Per-sample response vectors of a per-token field, gathered back into sample order
-    (packed or unpacked microbatches; padding microbatches give nothing)."""
+def _rows_from_microbatches(mbs, key: str, n: int) -> list[torch.Tensor | None]:
+    """Per-sample response vectors (float32) of a per-token field, gathered back into sample order
+    (packed or unpacked microbatches; padding microbatches give nothing; None where no microbatch
+    recorded the field)."""
     rows: list[torch.Tensor | None] = [None] * n
     for mb in mbs:
-        for idx, values in rows_by_sample(mb, key).items():
-            rows[idx] = values.float()
-    return rows  # type: ignore[return-value]
+        if key in mb:
+            for idx, values in rows_by_sample(mb, key).items():
+                rows[idx] = values.float()
+    return rows
 
 
 def _records_to_host(mbs) -> None:
@@ -163,8 +165,7 @@ class ActorUpdate:
         _, mask_BT = pad_rows(mask_rows)
         token_rewards = None
         if self.kl_coef > 0 and self.algo.kl_mode == "reward":
-            kl_rows = [k for k in _rows_from_microbatches(mbs, "kl_tokens", n)]
-            kl_BT, _ = pad_rows(kl_rows)
+            kl_BT, _ = pad_rows(_rows_from_microbatches(mbs, "kl_tokens", n))
             token_rewards = -self.kl_coef * kl_BT
         turn_rows = [_turn_rewards(s, k) for s, k in zip(batch, lengths)]
         if any(r is not None for r in turn_rows):
@@ -243,8 +244,8 @@ class ActorUpdate:
             self.kl_ctl.update(kl_per_sequence, int(n_seqs))
         out["train_tokens"] = n_tokens
         out["train_sequences"] = n_seqs
-        self.last_policy_logprobs = self.per_sample(mbs, "policy_logprobs", len(batch))
-        self.last_entropy = self.per_sample(mbs, "entropy", len(batch))
+        self.last_policy_logprobs = _rows_from_microbatches(mbs, "policy_logprobs", len(batch))
+        self.last_entropy = _rows_from_microbatches(mbs, "entropy", len(batch))
         return out
 
     def _loss_fn(self, n_tokens_global: float, n_seqs_global: float, record: dict | None = None):
@@ -293,15 +294,6 @@ class ActorUpdate:
             return loss, metrics
 
         return loss_fn
-
-    def per_sample(self, mbs, key: str, n: int) -> list[torch.Tensor | None]:
-        """Response-token values of ``key`` per sample (None where the last pass did not record it)."""
-        rows: list[torch.Tensor | None] = [None] * n
-        for mb in mbs:
-            if key in mb:
-                for idx, values in rows_by_sample(mb, key).items():
-                    rows[idx] = values.float()
-        return rows
 
     def _advantages(self, mb, student_logp):
         """Task advantages, replaced (``teacher.mode=pure``) or complemented (``hybrid``) by the

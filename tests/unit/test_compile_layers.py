@@ -219,14 +219,6 @@ def test_a_failed_layer_compile_warns_once_and_runs_eagerly(monkeypatch, model_d
     torch.testing.assert_close(again, want, atol=0, rtol=0)
 
 
-def test_deepspeed_refuses_compile_layers_before_any_model_loads(tmp_path):
-    (tmp_path / "c.yaml").write_text("reward:\n  sources:\n    - {name: c, type: rule, fn: gsm8k}\n")
-    cfg = load_config(tmp_path / "c.yaml", ["train.strategy=deepspeed", "train.compile_layers=true"])
-    with pytest.raises(ConfigError) as err:
-        validate_config(cfg, 1, check_paths=False)
-    assert "train.compile_layers is set but train.strategy='deepspeed'" in str(err.value)
-
-
 def test_auto_compiles_the_layers_for_fsdp2_on_a_gpu_only(tmp_path):
     """The default (auto) is on where the H200 measured it (fsdp2 on CUDA: benchmarks/NOTES.md v7) and off on CPU
     and for DeepSpeed; true and false are what they say; a deepspeed config with the default is valid."""

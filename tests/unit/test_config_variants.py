@@ -12,7 +12,6 @@ import pytest
 
 from streamrft.config import Config, ConfigError, load_config, validate_config
 from streamrft.config.algorithm import AlgorithmConfig
-from streamrft.config.engine import EngineConfig
 from streamrft.config.reward import RewardSourceConfig
 from streamrft.config.variants import SET, VARIANT_KEYS, validate_variants, written_keys
 
@@ -47,6 +46,10 @@ def settings(*overrides: str) -> Config:
                                   "algorithm.kl_coef is set; remove algorithm.kl_estimator or set algorithm.kl_coef"),
     ("train.zero_stage=2", "train.zero_stage is set but train.strategy='fsdp2'; it applies only to "
                            "train.strategy in ('deepspeed',)"),
+    (("train.strategy=deepspeed", "train.compile_layers=true"),
+     "train.compile_layers is set but train.strategy='deepspeed'; it applies only to train.strategy in ('fsdp2',)"),
+    (("train.strategy=deepspeed", "train.optimizer_offload=true"),
+     "train.optimizer_offload is set but train.strategy='deepspeed'; it applies only to train.strategy in ('fsdp2',)"),
     ("model.lora_alpha=32", "model.lora_alpha is set but model.lora_rank=0; it applies only when model.lora_rank is set"),
     ("reward.sources=[{name: a, type: rule, fn: arith, address: 'tcp://127.0.0.1:5555'}]",
      "reward.sources[0].address is set but reward.sources[0].type='rule'; it applies only to "
@@ -54,7 +57,8 @@ def settings(*overrides: str) -> Config:
 ])
 def test_item4_a_key_of_an_unselected_variant_is_an_error(override, message):
     with pytest.raises(ConfigError) as info:
-        validate_config(settings(override), world_size=1, check_paths=False)
+        validate_config(settings(*([override] if isinstance(override, str) else override)), world_size=1,
+                        check_paths=False)
     assert str(info.value).startswith(message)
 
 

@@ -1,11 +1,10 @@
 """train.optimizer_offload (streamrft/learner/host_adamw.py): AdamW with its moments in host memory gives
 torch AdamW's numbers bitwise (plain tensors and an FSDP2-sharded model), keeps AdamW's state keys so a checkpoint
-loads into either optimizer, its moments stay put when the learner offloads/reloads, and DeepSpeed refuses it."""
+loads into either optimizer, and its moments stay put when the learner offloads/reloads (DeepSpeed's refusal:
+tests/unit/test_config_variants.py)."""
 
-import pytest
 import torch
 
-from streamrft.config import ConfigError, load_config, validate_config
 from streamrft.config.model import ModelConfig
 from streamrft.config.train import TrainConfig
 from streamrft.learner.host_adamw import HostAdamW
@@ -97,11 +96,3 @@ def test_fsdp2_full_finetune_matches_adamw_and_moments_stay_on_host(dist, tmp_pa
             assert torch.equal(a[key].full_tensor(), b[key].full_tensor()), key
         loc = b["exp_avg"].to_local()
         assert flat.data_ptr() <= loc.data_ptr() < flat.data_ptr() + flat.numel() * 4  # a view of the buffer
-
-
-def test_deepspeed_refuses_it(tmp_path):
-    (tmp_path / "c.yaml").write_text("reward:\n  sources:\n    - {name: c, type: rule, fn: gsm8k}\n")
-    cfg = load_config(tmp_path / "c.yaml", ["train.strategy=deepspeed", "train.optimizer_offload=true"])
-    with pytest.raises(ConfigError) as err:
-        validate_config(cfg, 1, check_paths=False)
-    assert "train.optimizer_offload is set but train.strategy='deepspeed'" in str(err.value)
