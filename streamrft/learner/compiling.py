@@ -39,12 +39,53 @@ import torch
 FALLBACK_ERRORS = (torch._dynamo.exc.TorchDynamoException, ImportError)  # a compiler that cannot run here
 
 
+class _FloatScope:
+    """Compiles started inside a ``specialize_floats`` call trace Python floats as constants.
+
+    Why: under ``dynamic=True`` Dynamo makes every float it reads a graph input, including module attributes
+    such as a decoder layer's ``scaling`` and ``attention_dropout``; those feed SDPA, which needs Python
+    numbers, so after tracing the whole layer and its joint forward-backward graph Dynamo gives up and
+    traces everything again with them specialised (a "restart": the first trace is thrown away, about 20 of
+    the 30 s a warm-cache layer compile took on CPU). Dynamo reads ``specialize_float`` only while tracing,
+    so it is set for exactly the compiles these calls trigger (Dynamo's compile start/end callbacks), never
+    while kernels run and never for other code's compiles. The floats are per-model constants (the same in
+    every layer), so their guards cost no extra graph.
+    """
+
+    active = False  # inside a specialize_floats call
+    saved: bool | None = None  # specialize_float before the compile this scope changed
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        handler = getattr(torch._dynamo, "callback_handler", None)
+        if cls.installed or handler is None:  # an older torch: no callbacks, compiles restart as before
+            return
+        handler.register_start_callback(cls._start)
+        handler.register_end_callback(cls._end)
+        cls.installed = True
+
+    @classmethod
+    def _start(cls, _args) -> None:
+        if cls.active and cls.saved is None:
+            cls.saved = torch._dynamo.config.specialize_float
+            torch._dynamo.config.specialize_float = True
+
+    @classmethod
+    def _end(cls, _args) -> None:
+        if cls.saved is not None:
+            torch._dynamo.config.specialize_float = cls.saved
+            cls.saved = None
+
+
 class CompiledOrEager:
     """``fn`` under ``torch.compile(fn, **compile_kwargs)`` (compiled lazily, at the first call); if compiling
-    fails, one warning naming ``key`` and ``fn`` eagerly from then on (see the module docstring)."""
+    fails, one warning naming ``key`` and ``fn`` eagerly from then on (see the module docstring).
+    ``specialize_floats``: the compiles its calls trigger treat Python floats as constants (``_FloatScope``)."""
 
-    def __init__(self, fn: Callable, key: str, what: str, **compile_kwargs):
+    def __init__(self, fn: Callable, key: str, what: str, specialize_floats: bool = False, **compile_kwargs):
         self.fn, self.key, self.what = fn, key, what
+        self.specialize_floats = specialize_floats
         self.compile_kwargs = compile_kwargs
         self.compiled: Callable | None = None
         self.failed = False
@@ -54,7 +95,15 @@ class CompiledOrEager:
             try:
                 if self.compiled is None:
                     self.compiled = torch.compile(self.fn, **self.compile_kwargs)
-                return self.compiled(*args, **kwargs)
+                    if self.specialize_floats:
+                        _FloatScope.install()
+                if not self.specialize_floats:
+                    return self.compiled(*args, **kwargs)
+                outer, _FloatScope.active = _FloatScope.active, True
+                try:
+                    return self.compiled(*args, **kwargs)
+                finally:
+                    _FloatScope.active = outer
             except FALLBACK_ERRORS as exc:
                 self.failed = True
                 warnings.warn(f"{self.key}: torch.compile failed ({type(exc).__name__}: {exc}); {self.what} "
@@ -77,7 +126,8 @@ def layer_compiler(deterministic: bool) -> CompiledOrEager:
     if deterministic not in _LAYER_COMPILERS:
         options = {"deterministic": True} if deterministic else None
         _LAYER_COMPILERS[deterministic] = CompiledOrEager(
-            _layer_forward, "train.compile_layers", "running the decoder layers", dynamic=True, options=options)
+            _layer_forward, "train.compile_layers", "running the decoder layers", specialize_floats=True, dynamic=True,
+            options=options)
     return _LAYER_COMPILERS[deterministic]
 
 

@@ -83,11 +83,11 @@ def eager_step(dist, model_dir):
 
 @pytest.fixture(scope="module")
 def compiled(dist, model_dir):
-    """(strategy, its step's results, graphs compiled by that step)."""
+    """(strategy, its step's results, graphs compiled by that step, AOTAutograd compiles it ran)."""
     strat = _strategy(dist, model_dir, True)
-    before = _graphs()
+    before, aot_before = _graphs(), counters["aot_autograd"]["total"]
     result = _train_step(strat, _microbatches())
-    return strat, result, _graphs() - before
+    return strat, result, _graphs() - before, counters["aot_autograd"]["total"] - aot_before
 
 
 def _assert_same_step(got, want):
@@ -106,7 +106,7 @@ def _assert_same_step(got, want):
 
 
 def test_compiled_layers_give_the_eager_step_with_one_graph_for_every_layer_and_length(compiled, eager_step):
-    strat, result, graphs = compiled
+    strat, result, graphs, aot_compiles = compiled
     mbs = _microbatches()
     shapes = [tuple(mb["input_ids"].shape) for mb in mbs]
     assert shapes == [(2, 9), (2, 7), (2, 12)]  # lengths differ
@@ -114,6 +114,10 @@ def test_compiled_layers_give_the_eager_step_with_one_graph_for_every_layer_and_
     # one forward graph (its backward is compiled with it, not counted): not one per layer, not one per length;
     # 0 would mean the flag compiled nothing
     assert graphs == 1
+    # traced once: with floats symbolic, Dynamo would trace the layer, fail to turn its SDPA scale and dropout
+    # into tensors, and trace it all again (two AOT compiles for one graph; learner/compiling.py _FloatScope)
+    assert aot_compiles == 1
+    assert torch._dynamo.config.specialize_float is False  # torch's default, set only while the layer compiled
     assert not compiling.layer_compiler(False).failed
     losses, norm, _ = result
     assert all(math.isfinite(x) and x != 0 for x in losses) and norm > 0.05  # the clip is exercised
@@ -121,7 +125,7 @@ def test_compiled_layers_give_the_eager_step_with_one_graph_for_every_layer_and_
 
 
 def test_generation_with_a_kv_cache_runs_the_layers_eagerly(compiled, model_dir):
-    strat, _, _ = compiled
+    strat, _, _, _ = compiled
     ids = torch.tensor([[5, 9, 11, 4, 7]])
     before = _graphs()
     strat.unshard_for_rollout()
