@@ -125,7 +125,7 @@ def chunk_grad_logits(h_nH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch
 
 # compiled at their first call; a failed compile warns once and runs eagerly (learner/compiling.py)
 _ELEMENTWISE = {name: CompiledOrEager(fn, "train.compile_head", "computing the fused LM head's elementwise part",
-                                      dynamic=True)
+                                      specialize_floats=True, dynamic=True)
                 for name, fn in (("stats", chunk_stats), ("grad", chunk_grad_logits))}
 
 

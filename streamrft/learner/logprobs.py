@@ -59,7 +59,7 @@ def _chunk_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: tor
 # compiled at its first call; if compiling fails (no working Triton or C compiler here), one warning and eager
 # from then on: the same values, only slower (learner/compiling.py)
 _COMPILED_CHUNK = CompiledOrEager(_chunk_logp_entropy, "train.compile_head", "computing the LM-head log-probs",
-                                  dynamic=True)
+                                  specialize_floats=True, dynamic=True)
 
 
 def _chunk_function(device: torch.device, compile_head: bool):

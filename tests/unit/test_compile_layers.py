@@ -143,7 +143,7 @@ def test_generation_with_a_kv_cache_runs_the_layers_eagerly(compiled, model_dir)
 
 def _aot_eager_layers(monkeypatch) -> compiling.CompiledOrEager:
     compiler = compiling.CompiledOrEager(compiling._layer_forward, "train.compile_layers", "running the decoder layers",
-                                         dynamic=True, backend="aot_eager")
+                                         specialize_floats=True, dynamic=True, backend="aot_eager")
     monkeypatch.setitem(compiling._LAYER_COMPILERS, False, compiler)
     return compiler
 
