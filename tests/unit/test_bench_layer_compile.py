@@ -1,0 +1,24 @@
+"""benchmarks/layer_compile.py: the specialised/symbolic first-step ratios per cache state, and a failed worker
+(an error row) leaves its cache state out instead of dividing by something it did not measure."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from layer_compile import ratios  # noqa: E402
+
+
+def test_ratios_divide_specialised_by_symbolic_per_cache_state():
+    rows = [{"variant": "symbolic", "cache": "cold", "first_step_s": 60.0},
+            {"variant": "symbolic", "cache": "warm", "first_step_s": 20.0},
+            {"variant": "specialised", "cache": "cold", "first_step_s": 45.0},
+            {"variant": "specialised", "cache": "warm", "first_step_s": 12.0}]
+    assert ratios(rows) == {"cold": 0.75, "warm": 0.6}
+
+
+def test_an_error_row_leaves_its_cache_state_out():
+    rows = [{"variant": "symbolic", "cache": "cold", "first_step_s": 60.0},
+            {"variant": "specialised", "cache": "cold", "error": "timed out after --timeout 900 s"},
+            {"variant": "symbolic", "cache": "warm", "first_step_s": 20.0},
+            {"variant": "specialised", "cache": "warm", "first_step_s": 10.0}]
+    assert ratios(rows) == {"warm": 0.5}
