@@ -195,8 +195,9 @@ class ActorUpdate:
             if n_updates > 1 or (self.kl_coef > 0 and self.algo.kl_mode == "reward"):
                 old_logp, _ = self.strategy.compute_logprobs(mb, self.temperature)
                 mb["old_logp"] = old_logp
-                if "ref_logp" in mb:
-                    mb["kl_tokens"] = self.kl_fn(old_logp, mb["ref_logp"]) * mb["response_mask"]
+                if "ref_logp" in mb:  # log-probs on the learner's device, the batch's mask and rewards on the host
+                    kl_BL = self.kl_fn(old_logp, mb["ref_logp"])
+                    mb["kl_tokens"] = (kl_BL * mb["response_mask"].to(kl_BL.device)).cpu()
         if self.critic is not None:
             for mb in mbs:
                 mb["old_values"] = self.critic.values(mb).float().cpu()
