@@ -34,7 +34,7 @@ from streamrft.config.train import compile_layers_enabled
 from streamrft.learner.base import LossFn
 from streamrft.learner.compiling import compile_decoder_layers
 from streamrft.learner.memory import bucketed, move_module_and_optimizer
-from streamrft.learner.logprobs import token_logprobs
+from streamrft.learner.logprobs import head_positions, token_logprobs
 from streamrft.learner.optim import build_lr_scheduler, build_optimizer
 from streamrft.models.hub import resolve_model_dir
 
@@ -139,6 +139,11 @@ def move_batch(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, t
             v = v.pin_memory()
         return v.to(device, non_blocking=True)
 
+    if pin and "head_positions" not in mb and "response_mask" in mb and mb["response_mask"].device.type == "cpu":
+        # the LM head's rows from the host copy: found on the GPU, nonzero would wait for the decoder's kernels
+        position_ids = mb.get("position_ids")
+        mb = {**mb, "head_positions": head_positions(
+            mb["response_mask"], position_ids.cpu() if isinstance(position_ids, torch.Tensor) else None)}
     return {k: moved(v) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
 
 

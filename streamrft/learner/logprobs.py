@@ -73,17 +73,32 @@ def _chunk_function(device: torch.device, compile_head: bool):
     return _COMPILED_CHUNK
 
 
+def head_positions(response_mask_BL: torch.Tensor, position_ids_BL: torch.Tensor | None = None) -> torch.Tensor:
+    """(2, N) int64: the (row, position) of every token the LM head predicts: response tokens, except a row's
+    first token and, with ``position_ids_BL``, the first token of each packed sequence.
+
+    ``nonzero`` needs its result's size on the host, so on a GPU it waits for all queued work; the learner
+    computes this from the microbatch's host tensors instead (``fsdp2.move_batch``, key ``head_positions``)."""
+    mask_BL = response_mask_BL.bool().clone()
+    mask_BL[:, 0] = False  # no prediction for the first token
+    if position_ids_BL is not None:
+        mask_BL &= position_ids_BL != 0  # nor for the first token of a packed sequence
+    return mask_BL.nonzero().t()
+
+
 def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_ids_BL: torch.Tensor,
                          response_mask_BL: torch.Tensor, temperature: float, with_entropy: bool,
                          chunk_size: int | None = None, position_ids_BL: torch.Tensor | None = None,
                          banned_ids: list[int] | None = None, compile_head: bool = False,
-                         head_kernel: str = "fused") -> tuple[torch.Tensor, torch.Tensor | None]:
+                         head_kernel: str = "fused", positions_2N: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The formula above, given the final hidden states (after the last norm) and the LM head.
     With ``position_ids_BL``, positions where it is 0 (a sequence start) are excluded too. ``banned_ids``
     (media placeholders, which the hf engine never samples) get probability 0: the softmax runs over the
     remaining vocabulary, as the engine's sampling distribution does. ``compile_head``: see
     ``_chunk_function`` (CUDA only; the CPU always runs eagerly). ``head_kernel``: the module docstring;
-    ``chunk_size`` None is ``DEFAULT_CHUNK[head_kernel]``."""
+    ``chunk_size`` None is ``DEFAULT_CHUNK[head_kernel]``. ``positions_2N``: ``head_positions`` of the mask
+    and position ids, when the caller has them (computed here otherwise)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0; set rollout.temperature > 0")
     if head_kernel not in HEAD_KERNELS:
@@ -93,11 +108,9 @@ def logprobs_from_hidden(hidden_BLH: torch.Tensor, head: torch.nn.Module, input_
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0")
     B, L = input_ids_BL.shape
-    mask_BL = response_mask_BL.bool().clone()
-    mask_BL[:, 0] = False  # no prediction for the first token
-    if position_ids_BL is not None:
-        mask_BL &= position_ids_BL != 0  # nor for the first token of a packed sequence
-    b_N, t_N = mask_BL.nonzero(as_tuple=True)
+    if positions_2N is None:
+        positions_2N = head_positions(response_mask_BL, position_ids_BL)
+    b_N, t_N = positions_2N[0], positions_2N[1]
     h_NH = hidden_BLH[b_N, t_N - 1]
     target_N = input_ids_BL[b_N, t_N]
     weight, bias = head.weight, getattr(head, "bias", None)  # under FSDP2 the gathered (unsharded) weight
@@ -161,7 +174,7 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
         hidden_BLH = multimodal_hidden(model, mb)
         return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
                                     mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"],
-                                    media_placeholder_ids(model), compile_head, head_kernel)
+                                    media_placeholder_ids(model), compile_head, head_kernel, mb.get("head_positions"))
     hidden_BLH = model.get_decoder()(input_ids=mb["input_ids"], use_cache=False,
                                      **text_mask_and_positions(model, mb["attention_mask"], mb["position_ids"]),
                                      ).last_hidden_state
@@ -169,7 +182,8 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
         hidden_BLH = _touch_audio_tower(model, hidden_BLH)
     return logprobs_from_hidden(hidden_BLH, model.get_output_embeddings(), mb["input_ids"],
                                 mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"],
-                                compile_head=compile_head, head_kernel=head_kernel)
+                                compile_head=compile_head, head_kernel=head_kernel,
+                                positions_2N=mb.get("head_positions"))
 
 
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features")

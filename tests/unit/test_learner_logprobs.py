@@ -102,3 +102,26 @@ def test_only_a_2d_mask_on_a_gpu_is_dropped():
 
     assert not causal_only(torch.ones(2, 5, dtype=torch.long))  # the CPU keeps its mask
     assert not causal_only(torch.ones(1, 1, 5, 5, dtype=torch.bool))  # a packed (block-diagonal) mask is needed
+
+
+def test_head_positions_skip_each_rows_and_each_packed_sequences_first_token():
+    from streamrft.learner.logprobs import head_positions
+
+    mask = torch.tensor([[1, 1, 0, 1, 1], [0, 0, 1, 1, 0]])
+    packed = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])  # row 0 holds two sequences
+    assert head_positions(mask).tolist() == [[0, 0, 0, 1, 1], [1, 3, 4, 2, 3]]
+    assert head_positions(mask, packed).tolist() == [[0, 0, 1, 1], [1, 4, 2, 3]]
+
+
+def test_head_positions_given_by_the_caller_give_the_same_logprobs_as_found_here():
+    """What a GPU learner does (fsdp2.move_batch computes them from the host copy, no nonzero on the device)."""
+    from streamrft.learner.fsdp2 import move_batch
+    from streamrft.learner.logprobs import head_positions
+
+    model, mb, T = _tiny_model(), _batch(), 0.9
+    given = {**move_batch(mb, torch.device("cpu")), "head_positions": head_positions(mb["response_mask"],
+                                                                                     mb["position_ids"])}
+    want = token_logprobs(model, mb, T, with_entropy=True)
+    got = token_logprobs(model, given, T, with_entropy=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
