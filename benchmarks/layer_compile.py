@@ -1,5 +1,5 @@
 """The first train step with ``train.compile_layers``: Python floats specialised while the layer compiles (what
-StreamRFT does, ``learner/compiling.py`` ``_FloatScope``) against symbolic floats (torch's default under
+StreamRFT does, ``learner/compiling.py`` ``_CompileScope``) against symbolic floats (torch's default under
 ``dynamic=True``), each cold (empty compile cache) and warm (a second process on the first one's cache).
 
 Each measurement is a fresh worker process (``--worker``): an FSDP2 learner (world size 1) on the model, one

@@ -2,9 +2,9 @@
 
 ``CompiledOrEager(fn, key, what)`` (used by ``train.compile_head``'s LM-head kernels and by the layers below) runs
 ``torch.compile(fn)``; when compiling fails (no working C++ compiler for Inductor's CPU backend, no Triton), it
-warns once, naming the config key, and runs ``fn`` eagerly from then on: the same values, only slower. A compile error surfaces at the first call of a new graph, before
-any of its kernels ran (AOTAutograd compiles the backward graph together with the forward), so rerunning the
-call eagerly computes it exactly once.
+warns once, naming the config key, and runs ``fn`` eagerly from then on: the same values, only slower. A compile
+error surfaces at the first call of a new graph, before any of its kernels ran (the backward graph is compiled
+together with the forward: ``_CompileScope``), so rerunning the call eagerly computes it exactly once.
 
 Regional compilation (``compile_decoder_layers``): every decoder layer's ``forward`` becomes a call of ONE
 compiled function ``_layer_forward(layer, ...)``. The layers run the same code and Dynamo treats a module's
@@ -39,49 +39,64 @@ import torch
 FALLBACK_ERRORS = (torch._dynamo.exc.TorchDynamoException, ImportError)  # a compiler that cannot run here
 
 
-class _FloatScope:
-    """Compiles started inside a ``specialize_floats`` call trace Python floats as constants.
+class _CompileScope:
+    """Settings for exactly the compiles that a ``CompiledOrEager`` call triggers.
 
-    Why: under ``dynamic=True`` Dynamo makes every float it reads a graph input, including module attributes
-    such as a decoder layer's ``scaling`` and ``attention_dropout``; those feed SDPA, which needs Python
-    numbers, so after tracing the whole layer and its joint forward-backward graph Dynamo gives up and
-    traces everything again with them specialised (a "restart": the first trace is thrown away, about 20 of
-    the 30 s a warm-cache layer compile took on CPU). Dynamo reads ``specialize_float`` only while tracing,
-    so it is set for exactly the compiles these calls trigger (Dynamo's compile start/end callbacks), never
-    while kernels run and never for other code's compiles. The floats are per-model constants (the same in
-    every layer), so their guards cost no extra graph.
+    Dynamo and AOTAutograd read these only while compiling, so they are set in Dynamo's compile start callback
+    and restored in its end callback, and only when the compile was started inside one of our calls: never
+    while kernels run, never for other code's compiles, and no per-call config patch (~50 µs each, which 24
+    layers × every microbatch would pay).
+
+    - Backward compiled with the forward (``force_non_lazy_backward_lowering``): AOTAutograd otherwise may
+      only log a failed backward compile ("suppressing in case backwards not needed") and fail again inside
+      ``loss.backward()``, outside the fallback, so the run would stop instead of running eagerly.
+    - Floats as constants (``specialize_float``, for compilers built with ``specialize_floats``): under
+      ``dynamic=True`` Dynamo makes every float it reads a graph input, including a decoder layer's
+      ``scaling`` and ``attention_dropout``; those feed SDPA, which needs Python numbers, so after tracing the
+      whole layer and its joint forward-backward graph Dynamo gives up and traces everything again with them
+      specialised (a "restart": benchmarks/layer_compile.py measured the warm first step 0.60x without it).
+      The floats are per-model constants (the same in every layer), so their guards cost no extra graph.
     """
 
-    active = False  # inside a specialize_floats call
-    saved: bool | None = None  # specialize_float before the compile this scope changed
-    installed = False
+    active: "CompiledOrEager | None" = None  # the compiler whose call is running
+    saved: dict | None = None  # the settings before the compile this scope changed
 
     @classmethod
     def install(cls) -> None:
+        """Register the callbacks unless they are (checked at every call: ``torch._dynamo.reset()`` clears them)."""
         handler = getattr(torch._dynamo, "callback_handler", None)
-        if cls.installed or handler is None:  # an older torch: no callbacks, compiles restart as before
+        if handler is None or cls._start in handler.start_callbacks:  # an older torch: torch's own settings
             return
         handler.register_start_callback(cls._start)
         handler.register_end_callback(cls._end)
-        cls.installed = True
 
     @classmethod
     def _start(cls, _args) -> None:
-        if cls.active and cls.saved is None:
-            cls.saved = torch._dynamo.config.specialize_float
+        if cls.active is None or cls.saved is not None:
+            return
+        import torch._functorch.config as functorch_config
+
+        cls.saved = {"specialize_float": torch._dynamo.config.specialize_float,
+                     "force_non_lazy_backward_lowering": functorch_config.force_non_lazy_backward_lowering}
+        functorch_config.force_non_lazy_backward_lowering = True
+        if cls.active.specialize_floats:
             torch._dynamo.config.specialize_float = True
 
     @classmethod
     def _end(cls, _args) -> None:
-        if cls.saved is not None:
-            torch._dynamo.config.specialize_float = cls.saved
-            cls.saved = None
+        if cls.saved is None:
+            return
+        import torch._functorch.config as functorch_config
+
+        torch._dynamo.config.specialize_float = cls.saved["specialize_float"]
+        functorch_config.force_non_lazy_backward_lowering = cls.saved["force_non_lazy_backward_lowering"]
+        cls.saved = None
 
 
 class CompiledOrEager:
     """``fn`` under ``torch.compile(fn, **compile_kwargs)`` (compiled lazily, at the first call); if compiling
     fails, one warning naming ``key`` and ``fn`` eagerly from then on (see the module docstring).
-    ``specialize_floats``: the compiles its calls trigger treat Python floats as constants (``_FloatScope``)."""
+    ``specialize_floats``: the compiles its calls trigger treat Python floats as constants (``_CompileScope``)."""
 
     def __init__(self, fn: Callable, key: str, what: str, specialize_floats: bool = False, **compile_kwargs):
         self.fn, self.key, self.what = fn, key, what
@@ -95,15 +110,12 @@ class CompiledOrEager:
             try:
                 if self.compiled is None:
                     self.compiled = torch.compile(self.fn, **self.compile_kwargs)
-                    if self.specialize_floats:
-                        _FloatScope.install()
-                if not self.specialize_floats:
-                    return self.compiled(*args, **kwargs)
-                outer, _FloatScope.active = _FloatScope.active, True
+                _CompileScope.install()
+                outer, _CompileScope.active = _CompileScope.active, self
                 try:
                     return self.compiled(*args, **kwargs)
                 finally:
-                    _FloatScope.active = outer
+                    _CompileScope.active = outer
             except FALLBACK_ERRORS as exc:
                 self.failed = True
                 warnings.warn(f"{self.key}: torch.compile failed ({type(exc).__name__}: {exc}); {self.what} "

@@ -115,7 +115,7 @@ def test_compiled_layers_give_the_eager_step_with_one_graph_for_every_layer_and_
     # 0 would mean the flag compiled nothing
     assert graphs == 1
     # traced once: with floats symbolic, Dynamo would trace the layer, fail to turn its SDPA scale and dropout
-    # into tensors, and trace it all again (two AOT compiles for one graph; learner/compiling.py _FloatScope)
+    # into tensors, and trace it all again (two AOT compiles for one graph; learner/compiling.py _CompileScope)
     assert aot_compiles == 1
     assert torch._dynamo.config.specialize_float is False  # torch's default, set only while the layer compiled
     assert not compiling.layer_compiler(False).failed
@@ -221,6 +221,33 @@ def test_a_failed_layer_compile_warns_once_and_runs_eagerly(monkeypatch, model_d
     assert len(calls) == 1 and compiler.failed
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     torch.testing.assert_close(again, want, atol=0, rtol=0)
+
+
+def test_a_backward_that_fails_to_compile_falls_back_at_the_forward_not_inside_backward(monkeypatch, model_dir):
+    """AOTAutograd may put off compiling a graph's backward (and only log its failure) until loss.backward(),
+    which runs outside the fallback; the compiles our calls start compile it with the forward, so the failure
+    is the forward call's, which warns and runs eagerly: the same loss and gradients as an eager model."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fails(gm, example_inputs):
+        raise RuntimeError("this backward cannot be compiled here")
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=fails)
+    torch._dynamo.reset()
+    compiler = compiling.CompiledOrEager(compiling._layer_forward, "train.compile_layers", "running the decoder layers",
+                                         specialize_floats=True, dynamic=True, backend=backend)
+    monkeypatch.setitem(compiling._LAYER_COMPILERS, False, compiler)
+    ids = torch.tensor([[5, 9, 11, 4, 7], [3, 3, 8, 20, 1]])
+    eager, compiled = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) for _ in range(2))
+    compiling.compile_decoder_layers(decoder_layers(compiled))
+    eager(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    with pytest.warns(UserWarning, match="train.compile_layers: torch.compile failed"):
+        loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()  # eager graph: nothing left to compile
+    assert compiler.failed
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=lambda m: name + m)
 
 
 def test_auto_compiles_the_layers_for_fsdp2_on_a_gpu_only(tmp_path):
