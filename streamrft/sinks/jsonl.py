@@ -14,15 +14,16 @@ _FLUSH_BYTES = 1 << 20  # a step's records usually fit; more is written early, w
 
 
 class JsonlSink:
-    """Appends to ``<dir>/<run_id>-rank<rank>.jsonl`` (appending keeps a resumed run in one file).
+    """Appends to ``<dir>/<run_id>-rank<rank>.jsonl``. A training process draws a fresh ``run_id``, so a resumed
+    run writes a file beside the killed one's; readers take the directory (``sinks.reader``).
 
     Lines are the msgspec JSON of the record (``kind`` and ``protocol_version`` included), so
     ``msgspec.json.decode(line, type=TrajectoryRecord)`` reads one back.
 
     The file only ever receives whole lines (records are buffered here, not in a file object that
     flushes wherever its buffer fills), so a killed process leaves at most one torn last line: the
-    one ``write(2)`` the kill interrupted. Opening the file again (a resumed run) cuts such a line off
-    with a message, so the lines appended after it are not glued onto it.
+    one ``write(2)`` the kill interrupted, which the reader skips. Opening an existing file again (a
+    caller that reuses a run id) cuts such a line off with a message, so later lines are not glued onto it.
     """
 
     def __init__(self, directory: str | os.PathLike, run_id: str, rank: int):
