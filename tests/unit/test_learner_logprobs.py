@@ -1,5 +1,6 @@
 """Chunked log-probs and entropy against a direct full-logits computation."""
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -125,3 +126,15 @@ def test_head_positions_given_by_the_caller_give_the_same_logprobs_as_found_here
     got = token_logprobs(model, given, T, with_entropy=True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="move_batch adds head_positions for a GPU only")
+def test_move_batch_to_a_gpu_brings_the_head_positions_from_the_host():
+    from streamrft.learner.fsdp2 import move_batch
+    from streamrft.learner.logprobs import head_positions
+
+    mb = _batch()
+    moved = move_batch(mb, torch.device("cuda"))
+    assert moved["head_positions"].device.type == "cuda"
+    assert torch.equal(moved["head_positions"].cpu(), head_positions(mb["response_mask"], mb["position_ids"]))
+    assert "head_positions" not in mb  # the host microbatch is not changed
