@@ -142,6 +142,10 @@ def test_generation_with_a_kv_cache_runs_the_layers_eagerly(compiled, model_dir)
 
 
 def _aot_eager_layers(monkeypatch) -> compiling.CompiledOrEager:
+    """A layer compiler with the aot_eager backend, on an emptied Dynamo cache: Dynamo keys its cache by code object
+    (the one ``_layer_forward``) and guards classes by id, so an entry left by an earlier compile in this process
+    could serve these calls (CI's single process once counted no new graph here)."""
+    torch._dynamo.reset()
     compiler = compiling.CompiledOrEager(compiling._layer_forward, "train.compile_layers", "running the decoder layers",
                                          specialize_floats=True, dynamic=True, backend="aot_eager")
     monkeypatch.setitem(compiling._LAYER_COMPILERS, False, compiler)
