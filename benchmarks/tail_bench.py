@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -42,11 +43,25 @@ def main() -> None:
     # far less noisy on a shared machine than the wall time.
     from streamrft.runtime.pipeline import Pipeline
 
-    take, cpu = Pipeline.take, []
+    take, cpu, gc2 = Pipeline.take, [], []
+    # Full (generation-2) collections inside each rollout: each one walks every tracked object not frozen, so
+    # objects made after Pipeline.launch froze the heap (a compile's graphs, guards and sympy expressions) make
+    # them slow; the seconds they took show in "gc2_s".
+    gc_started = [0.0]
+
+    def on_gc(phase, info):
+        if info["generation"] == 2 and gc2:
+            if phase == "start":
+                gc_started[0] = time.perf_counter()
+            else:
+                gc2[-1] += time.perf_counter() - gc_started[0]
+
+    gc.callbacks.append(on_gc)
 
     async def timed_take(self, step, learner_version):
         prof = cProfile.Profile() if a.profile and len(cpu) == 2 else None
         t0 = time.thread_time()
+        gc2.append(0.0)
         if prof is not None:
             prof.enable()
         try:
@@ -69,7 +84,8 @@ def main() -> None:
                       "rollouts": [round(t, 3) for t in res["rollout_times"]],
                       # steps 2..N: the first builds the decoder; the profiled one (3rd) is left out
                       "loop_cpu_s_median": statistics.median(c for i, c in enumerate(cpu[1:], 1) if not (a.profile and i == 2)),
-                      "loop_cpu_s": [round(c, 3) for c in cpu]}))
+                      "loop_cpu_s": [round(c, 3) for c in cpu],
+                      "gc2_s": [round(c, 3) for c in gc2]}))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class _CompileScope:
 
     active: "CompiledOrEager | None" = None  # the compiler whose call is running
     saved: dict | None = None  # the settings before the compile this scope changed
+    finished = 0  # Dynamo compiles ended since the callbacks were first installed (compiles_finished)
 
     @classmethod
     def install(cls) -> None:
@@ -84,6 +85,7 @@ class _CompileScope:
 
     @classmethod
     def _end(cls, _args) -> None:
+        cls.finished += 1
         if cls.saved is None:
             return
         import torch._functorch.config as functorch_config
@@ -91,6 +93,13 @@ class _CompileScope:
         torch._dynamo.config.specialize_float = cls.saved["specialize_float"]
         functorch_config.force_non_lazy_backward_lowering = cls.saved["force_non_lazy_backward_lowering"]
         cls.saved = None
+
+
+def compiles_finished() -> int:
+    """How many Dynamo compiles (any, ours or not) have ended in this process since the first call of a
+    ``CompiledOrEager``: 0 in a run that compiles nothing. A compile leaves long-lived objects behind (graphs,
+    guards, symbolic expressions), which the run's garbage-collection policy freezes (``Pipeline.step_trained``)."""
+    return _CompileScope.finished
 
 
 class CompiledOrEager:

@@ -29,6 +29,12 @@ from streamrft.runtime.scoring import RewardScorerStage, TeacherFetcherStage
 from streamrft.runtime.stage import StageContext, StageError
 
 
+def _compiles_finished() -> int:
+    from streamrft.learner.compiling import compiles_finished  # torch-side module: imported when first needed
+
+    return compiles_finished()
+
+
 class Pipeline:
     def __init__(self, cfg, ctx: StageContext, world_size: int, engine, tokenizer, dataset, scorer, teacher=None, run_id: str | None = None):
         self.cfg, self.ctx, self.world_size = cfg, ctx, world_size
@@ -43,6 +49,7 @@ class Pipeline:
         self.generator: Generator | None = None
         self.feed: LearnerFeed | None = None
         self.advantage: AdvantageStage | None = None
+        self._compiles_frozen = 0  # compiles_finished() when the heap was last frozen
         self.tasks: dict[asyncio.Task, str] = {}
 
     def _link(self, name: str, message_type) -> tuple[ChannelReceiver, ChannelSender]:
@@ -83,8 +90,10 @@ class Pipeline:
         # model) lives for the whole run; out of the collector's full passes it no longer makes each
         # generation-2 collection walk it: those passes cost 0.24 s each inside a rollout of 512 samples
         # (one step in three), 0.02-0.03 s frozen (benchmarks/NOTES.md, "v7: the rollout tail on CPU").
-        # Frozen objects are still freed by reference counting; stop() unfreezes them.
+        # Frozen objects are still freed by reference counting; stop() unfreezes them. Compiles later in the
+        # run add theirs (step_trained).
         gc.freeze()
+        self._compiles_frozen = _compiles_finished()
         for stage in self.stages:
             task = asyncio.create_task(stage.run(), name=f"{stage.name}-rank{self.ctx.rank}")
             self.tasks[task] = stage.name
@@ -147,6 +156,19 @@ class Pipeline:
 
     def step_trained(self, step: int) -> None:
         self.generator.forget_through(step)
+        self._freeze_what_compiles_left()
+
+    def _freeze_what_compiles_left(self) -> None:
+        """After a step that compiled (the first train step with train.compile_layers / compile_head, or a new
+        shape), freeze its long-lived objects too: Dynamo's graphs, guards and symbolic expressions made every
+        later full collection walk them (CPU tail_bench with compiled layers: 0.25 s passes inside one rollout
+        in two, benchmarks/NOTES.md v9). The young generations are collected first, so the compile's
+        short-lived cycles are freed rather than frozen."""
+        compiles = _compiles_finished()
+        if compiles != self._compiles_frozen:
+            gc.collect(1)
+            gc.freeze()
+            self._compiles_frozen = compiles
 
     def take_generated_tokens(self) -> int:
         tokens, self.generator.generated_tokens = self.generator.generated_tokens, 0
