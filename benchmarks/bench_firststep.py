@@ -115,6 +115,7 @@ def breakdown(marks: dict, calls: dict, first_row: dict) -> dict:
         "capture_steady_s": _steady(calls, "capture"),
         "first_train_s": _first(calls, "train"),
         "steady_train_s": _steady(calls, "train"),
+        "first_compile_s": first_row.get("compile_seconds"),  # Dynamo/Inductor compiles inside the first step
         "first_weight_sync_s": first_row.get("phase/weight_push_seconds"),
         "first_train_to_rollout_s": first_row.get("phase/train_to_rollout_seconds"),
         "first_rollout_to_train_s": first_row.get("phase/rollout_to_train_seconds"),
@@ -137,7 +138,7 @@ COLUMNS = [
     ("engine", "engine_build_s"), ("build+", "build_other_s"), ("loop", "loop_start_s"),
     ("roll1", "first_rollout_s"), ("rollN", "steady_rollout_s"), ("dec_init1", "decoder_init_first_s"),
     ("capture1", "capture_first_s"), ("captureN", "capture_steady_s"), ("train1", "first_train_s"),
-    ("trainN", "steady_train_s"), ("wsync1", "first_weight_sync_s"), ("step1", "first_step_s"),
+    ("compile1", "first_compile_s"), ("trainN", "steady_train_s"), ("wsync1", "first_weight_sync_s"), ("step1", "first_step_s"),
     ("to_step1", "launch_to_first_step_s"),
 ]
 
@@ -146,7 +147,7 @@ def first_step_table(rows: list[dict]) -> str:
     """One line per StreamRFT run (``first_step`` and ``cache`` from the worker's result): seconds per part."""
     lines = ["first step, seconds (validate: the config check, which imports the learner's modules; roll1/train1: "
              "the first rollout and train step; N: steady median; capture: CUDA-graph capture + Triton decode "
-             "compile; to_step1: launch to the end of the first train step)",
+             "compile; compile1: torch.compile's share of the first step (layers, LM head); to_step1: launch to the end of the first train step)",
              f"{'size':6} {'run':22} {'cache':5} " + " ".join(f"{c:>9}" for c, _ in COLUMNS) + "  inductor hit/miss"]
     for r in rows:
         fs = r.get("first_step")

@@ -31,6 +31,7 @@ cache's ``update(..., layer_idx)`` would guard on each layer's index (one graph 
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from typing import Callable
 
@@ -61,6 +62,8 @@ class _CompileScope:
     active: "CompiledOrEager | None" = None  # the compiler whose call is running
     saved: dict | None = None  # the settings before the compile this scope changed
     finished = 0  # Dynamo compiles ended since the callbacks were first installed (compiles_finished)
+    seconds = 0.0  # their wall time, start to end callback (compile_seconds)
+    _started_at = 0.0
 
     @classmethod
     def install(cls) -> None:
@@ -73,6 +76,7 @@ class _CompileScope:
 
     @classmethod
     def _start(cls, _args) -> None:
+        cls._started_at = time.perf_counter()
         if cls.active is None or cls.saved is not None:
             return
         import torch._functorch.config as functorch_config
@@ -86,6 +90,7 @@ class _CompileScope:
     @classmethod
     def _end(cls, _args) -> None:
         cls.finished += 1
+        cls.seconds += time.perf_counter() - cls._started_at
         if cls.saved is None:
             return
         import torch._functorch.config as functorch_config
@@ -100,6 +105,12 @@ def compiles_finished() -> int:
     ``CompiledOrEager``: 0 in a run that compiles nothing. A compile leaves long-lived objects behind (graphs,
     guards, symbolic expressions), which the run's garbage-collection policy freezes (``Pipeline.step_trained``)."""
     return _CompileScope.finished
+
+
+def compile_seconds() -> float:
+    """Wall seconds those compiles took (Dynamo's trace, AOTAutograd, Inductor or its cache): the driver logs
+    each step's share as ``compile_seconds`` (a first step's compile; later, a recompile for a new shape)."""
+    return _CompileScope.seconds
 
 
 class CompiledOrEager:

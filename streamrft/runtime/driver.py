@@ -24,6 +24,7 @@ async def train_loop(run) -> dict[str, float]:
     decide → train (in a worker thread: the stages keep moving) → checkpoint → push weights; evaluate
     again. A resumed run skips the "before" evaluation and reports the checkpoint's."""
     from streamrft.checkpoint import reset_steps_log
+    from streamrft.learner.compiling import compile_seconds
     from streamrft.runtime.replay import batches_dir
 
     cfg, phase, pipeline = run.cfg, run.phase, run.pipeline
@@ -44,7 +45,7 @@ async def train_loop(run) -> dict[str, float]:
     _announce(run, f"{resumed_from}heldout before: {summary}")
     progress = _progress(run, cfg.train.max_steps - start, "train")
     for step in range(start, cfg.train.max_steps):
-        step_started = time.perf_counter()
+        step_started, compile_seconds_before = time.perf_counter(), compile_seconds()
         batch = await pipeline.take(step, learner_version=step)  # step k trains at learner version k
         _record(run, batch)
         global_samples = phase.batch_ready(len(batch))  # one all-reduce decides ROLLOUT → TRAIN
@@ -63,7 +64,7 @@ async def train_loop(run) -> dict[str, float]:
         if run.checkpointer.saved_step == step + 1:  # saved now: the part that waited for the previous write
             stats["checkpoint_wait_seconds"] = run.checkpointer.wait_seconds
         await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake, open the gate
-        _step_stats(run, batch, stats, step_started)
+        _step_stats(run, batch, stats, step_started, compile_seconds_before)
         _log_step(run, step, stats, progress)
         _write_trajectories(run, step, batch)
         run.checkpointer.commit()  # the step is logged: its checkpoint (if it saved one) may be complete now
@@ -133,9 +134,11 @@ def _check_failures(run, step: int, batch, progress) -> None:
         raise FailurePolicyError(f"rank {run.dist.rank}: {error}")
 
 
-def _step_stats(run, batch, stats: dict[str, float], step_started: float) -> None:
+def _step_stats(run, batch, stats: dict[str, float], step_started: float, compile_seconds_before: float) -> None:
     """Add the driver's own per-step values (all reduced over ranks) to the learner's ``stats``:
-    rewards, phase timings, throughput, MFU; count tokens on the Prometheus counters."""
+    rewards, phase timings, throughput, MFU, the step's compile seconds (``compile_seconds_before``: the
+    process's total when the step started); count tokens on the Prometheus counters."""
+    from streamrft.learner.compiling import compile_seconds
     from streamrft.metrics.probe import mfu, training_flops
     from streamrft.runtime.distributed import all_reduce_max
 
@@ -150,7 +153,10 @@ def _step_stats(run, batch, stats: dict[str, float], step_started: float) -> Non
     behind = batch.versions_behind()  # per trained sample: learner version - its oldest token's version
     n, total = run.actor.all_reduce_sum(torch.tensor([len(behind), sum(behind)], dtype=torch.float64)).tolist()
     stats["versions_behind_mean"] = total / max(n, 1.0)
-    stats["versions_behind_max"] = float(all_reduce_max(torch.tensor([float(max(behind, default=0))]), stage="versions_behind").item())
+    # one collective for both maxima: the most versions behind and the most seconds a rank spent compiling
+    compiling = compile_seconds() - compile_seconds_before
+    most = all_reduce_max(torch.tensor([float(max(behind, default=0)), compiling]), stage="step_stats_max").tolist()
+    stats["versions_behind_max"], stats["compile_seconds"] = most
     stats["step_seconds"] = seconds = max(time.perf_counter() - step_started, 1e-9)
     generated_here = run.pipeline.take_generated_tokens()
     local = [float(generated_here), float(sum(len(s.prompt_ids) + len(s.response_ids) for s in batch))]

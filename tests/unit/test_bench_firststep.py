@@ -19,7 +19,7 @@ def test_breakdown_from_marks_and_calls():
     calls = {"build_run": [40.0], "build_learner": [30.0], "build_engine": [2.0], "rollout": [20.0, 5.0, 7.0],
              "decoder_init": [1.5, 0.5, 0.25], "capture": [12.0, 0.75, 0.5], "train": [25.0, 10.0, 12.0, 14.0]}
     row = {"phase/weight_push_seconds": 0.125, "step_seconds": 46.0, "phase/train_to_rollout_seconds": 0.5,
-           "phase/rollout_to_train_seconds": 0.25}
+           "phase/rollout_to_train_seconds": 0.25, "compile_seconds": 9.5}
     b = breakdown(marks, calls, row)
     assert b["process_start_s"] == pytest.approx(0.25)
     assert b["imports_s"] == pytest.approx(5.75)
@@ -31,7 +31,7 @@ def test_breakdown_from_marks_and_calls():
     assert b["decoder_init_first_s"] == 1.5 and b["decoder_init_steady_s"] == pytest.approx(0.375)
     assert b["capture_first_s"] == 12.0 and b["capture_steady_s"] == pytest.approx(0.625)
     assert b["first_train_s"] == 25.0 and b["steady_train_s"] == 12.0 and b["first_train_extra_s"] == 13.0
-    assert b["first_weight_sync_s"] == 0.125 and b["first_step_s"] == 46.0
+    assert b["first_weight_sync_s"] == 0.125 and b["first_step_s"] == 46.0 and b["first_compile_s"] == 9.5
     assert b["launch_to_first_step_s"] == pytest.approx(100.0)
     # a run without CUDA graphs or a launch mark: those parts are None, not 0
     b2 = breakdown({"main": 1.0, "imports_done": 2.0}, {"train": [3.0]}, {})
@@ -101,6 +101,7 @@ def test_a_tiny_run_reports_every_part_of_its_first_step(tmp_path):
                 "steady_train_s", "first_weight_sync_s", "first_step_s", "launch_to_first_step_s"]
     assert all(fs[k] is not None and fs[k] >= 0 for k in measured), {k: fs[k] for k in measured}
     assert fs["capture_first_s"] is None  # no CUDA graphs on a CPU
+    assert fs["first_compile_s"] == 0.0  # nothing compiled on a CPU by default (a key the run logged, not None)
     parts = fs["process_start_s"] + fs["imports_s"] + fs["validate_s"] + fs["build_run_s"] + fs["first_train_s"]
     assert fs["launch_to_first_step_s"] >= parts
     assert res["cache"] == "cold" and res["variant"] == "base" and res["steps"] == 2

@@ -257,6 +257,24 @@ def test_a_backward_that_fails_to_compile_falls_back_at_the_forward_not_inside_b
         torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=lambda m: name + m)
 
 
+def test_compile_seconds_add_each_compiles_wall_time_and_nothing_for_a_cached_call():
+    """The driver logs each step's compile_seconds from these totals (streamrft/runtime/driver.py)."""
+    import time
+
+    def slow_backend(gm, example_inputs):
+        time.sleep(0.3)
+        return gm.forward
+
+    double = compiling.CompiledOrEager(lambda x: x * 2 + 1, "test.compile", "doubling", backend=slow_backend)
+    compiles, seconds = compiling.compiles_finished(), compiling.compile_seconds()
+    assert torch.equal(double(torch.ones(3)), torch.full((3,), 3.0))
+    assert compiling.compiles_finished() == compiles + 1
+    took = compiling.compile_seconds() - seconds
+    assert 0.3 <= took < 30
+    assert torch.equal(double(torch.zeros(3)), torch.ones(3))  # the same shape: the cached graph
+    assert compiling.compiles_finished() == compiles + 1 and compiling.compile_seconds() - seconds == took
+
+
 def test_auto_compiles_the_layers_for_fsdp2_on_a_gpu_only(tmp_path):
     """The default (auto) is on where the H200 measured it (fsdp2 on CUDA: benchmarks/NOTES.md v7) and off on CPU
     and for DeepSpeed; true and false are what they say; a deepspeed config with the default is valid."""

@@ -148,6 +148,7 @@ def test_item15_a_real_run_uses_1_based_steps_and_heldout_accuracy_everywhere_an
     assert steps[2]["heldout/accuracy"] == summary["heldout_accuracy_after"]
     assert steps[2]["heldout/reward_mean"] == summary["heldout_reward_mean_after"]
     assert not any("mfu" in s for s in steps)  # CPU: no peak FLOP/s, no MFU (not NaN)
+    assert [s["compile_seconds"] for s in steps] == [0.0, 0.0, 0.0]  # CPU defaults compile nothing
 
     events = EventAccumulator(str(out / "tb"))
     events.Reload()
