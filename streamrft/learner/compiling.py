@@ -170,6 +170,12 @@ def _has_kv_cache(kwargs: dict) -> bool:
 def _dispatch(compiler: CompiledOrEager, layer: torch.nn.Module, *args, **kwargs):
     if _has_kv_cache(kwargs):
         return _layer_forward(layer, *args, **kwargs)  # generation: eager (module docstring)
+    if args and isinstance(args[0], torch.Tensor) and args[0]._base is not None:
+        # A view as the hidden states makes Dynamo guard on its base. Where gradient checkpointing wraps the
+        # layer's __call__ (transformers 5.17; 5.24 traces it inside the forward), the backward runs the layer
+        # again with a detached input, which has no base: a second graph, compiled at the first backward.
+        # A copy that is not a view (one per view passed in: the first layer's input) keeps one graph.
+        args = (args[0].clone(), *args[1:])
     return compiler(layer, *args, **kwargs)
 
 

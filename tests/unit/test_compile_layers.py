@@ -178,6 +178,32 @@ def test_gradient_checkpointing_lora_and_packed_masks_compose_with_compiled_laye
     _assert_same_step(got, want)
 
 
+def test_a_view_and_a_detached_tensor_as_hidden_states_share_one_graph(monkeypatch, model_dir):
+    """Gradient checkpointing around the layer's __call__ (transformers 5.17) calls the compiled layer with the
+    model's hidden states (here a view) and again in the backward with a detached tensor (not a view): Dynamo
+    guards a view's base, so without compiling._dispatch's copy the second call compiled a second graph."""
+    compiler = _aot_eager_layers(monkeypatch)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    layers = decoder_layers(model)
+    compiling.compile_decoder_layers(layers)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 7 * model.config.hidden_size, generator=g, requires_grad=True)
+    view = base.view(2, 7, model.config.hidden_size)
+    assert view._base is base
+    position_ids = torch.arange(7).expand(2, 7)
+    rope = model.model.rotary_emb(view, position_ids)
+    before = _graphs()
+    out_view = layers[0](view, position_embeddings=rope, position_ids=position_ids, use_cache=False)
+    detached = view.detach().requires_grad_(True)
+    out_detached = layers[0](detached, position_embeddings=rope, position_ids=position_ids, use_cache=False)
+    assert _graphs() - before == 1 and not compiler.failed
+    first = out_view[0] if isinstance(out_view, tuple) else out_view
+    second = out_detached[0] if isinstance(out_detached, tuple) else out_detached
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+    first.sum().backward()
+    assert base.grad is not None and base.grad.abs().sum() > 0  # the copy keeps the gradient path to the base
+
+
 @pytest.mark.slow
 def test_a_vision_language_model_compiles_only_its_language_layers(monkeypatch, dist, tmp_path):
     """Qwen2-VL: the language decoder layers take the M-RoPE cos/sin as inputs and run compiled (aot_eager, as
