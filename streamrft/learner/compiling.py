@@ -174,7 +174,7 @@ def _dispatch(compiler: CompiledOrEager, layer: torch.nn.Module, *args, **kwargs
         # A view as the hidden states makes Dynamo guard on its base. Where gradient checkpointing wraps the
         # layer's __call__ (transformers 5.17; 5.24 traces it inside the forward), the backward runs the layer
         # again with a detached input, which has no base: a second graph, compiled at the first backward.
-        # A copy that is not a view (one per view passed in: the first layer's input) keeps one graph.
+        # A copy that is not a view (one (tokens, hidden) tensor per such call) keeps one graph.
         args = (args[0].clone(), *args[1:])
     return compiler(layer, *args, **kwargs)
 
