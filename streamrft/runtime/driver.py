@@ -64,7 +64,7 @@ async def train_loop(run) -> dict[str, float]:
         if run.checkpointer.saved_step == step + 1:  # saved now: the part that waited for the previous write
             stats["checkpoint_wait_seconds"] = run.checkpointer.wait_seconds
         await phase.enter_rollout(version=step + 1)  # offload, push weights, unshard, wake, open the gate
-        _step_stats(run, batch, stats, step_started, compile_seconds_before)
+        _step_stats(run, batch, stats, step_started, compile_seconds() - compile_seconds_before)
         _log_step(run, step, stats, progress)
         _write_trajectories(run, step, batch)
         run.checkpointer.commit()  # the step is logged: its checkpoint (if it saved one) may be complete now
@@ -134,11 +134,10 @@ def _check_failures(run, step: int, batch, progress) -> None:
         raise FailurePolicyError(f"rank {run.dist.rank}: {error}")
 
 
-def _step_stats(run, batch, stats: dict[str, float], step_started: float, compile_seconds_before: float) -> None:
+def _step_stats(run, batch, stats: dict[str, float], step_started: float, compiled_seconds: float) -> None:
     """Add the driver's own per-step values (all reduced over ranks) to the learner's ``stats``:
-    rewards, phase timings, throughput, MFU, the step's compile seconds (``compile_seconds_before``: the
-    process's total when the step started); count tokens on the Prometheus counters."""
-    from streamrft.learner.compiling import compile_seconds
+    rewards, phase timings, throughput, MFU, the step's compile seconds (``compiled_seconds``: this rank's);
+    count tokens on the Prometheus counters."""
     from streamrft.metrics.probe import mfu, training_flops
     from streamrft.runtime.distributed import all_reduce_max
 
@@ -154,9 +153,8 @@ def _step_stats(run, batch, stats: dict[str, float], step_started: float, compil
     n, total = run.actor.all_reduce_sum(torch.tensor([len(behind), sum(behind)], dtype=torch.float64)).tolist()
     stats["versions_behind_mean"] = total / max(n, 1.0)
     # one collective for both maxima: the most versions behind and the most seconds a rank spent compiling
-    compiling = compile_seconds() - compile_seconds_before
-    most = all_reduce_max(torch.tensor([float(max(behind, default=0)), compiling]), stage="step_stats_max").tolist()
-    stats["versions_behind_max"], stats["compile_seconds"] = most
+    local_max = torch.tensor([float(max(behind, default=0)), compiled_seconds])
+    stats["versions_behind_max"], stats["compile_seconds"] = all_reduce_max(local_max, stage="step_stats_max").tolist()
     stats["step_seconds"] = seconds = max(time.perf_counter() - step_started, 1e-9)
     generated_here = run.pipeline.take_generated_tokens()
     local = [float(generated_here), float(sum(len(s.prompt_ids) + len(s.response_ids) for s in batch))]

@@ -19,13 +19,19 @@ class _Cycle:
         self.me = self
 
 
+def _pipeline_with_a_generator() -> Pipeline:
+    """A pipeline without stage tasks: launch only sets the generator's start step, step_trained forgets."""
+    ctx = StageContext(rank=0, stage_timeout_s=1.0, accounting=Accounting())
+    pipe = Pipeline(Config(), ctx, world_size=1, engine=None, tokenizer=None, dataset=None, scorer=None)
+    pipe.generator = SimpleNamespace(forget_through=lambda step: None)
+    return pipe
+
+
 def test_launch_freezes_what_exists_and_stop_unfreezes():
     gc.unfreeze()
 
     async def main():
-        ctx = StageContext(rank=0, stage_timeout_s=1.0, accounting=Accounting())
-        pipe = Pipeline(Config(), ctx, world_size=1, engine=None, tokenizer=None, dataset=None, scorer=None)
-        pipe.generator = SimpleNamespace()  # launch only sets its start step; no stage tasks here
+        pipe = _pipeline_with_a_generator()
         built = _Cycle()
         pipe.launch(start_step=3)
         assert pipe.generator.start_step == 3
@@ -42,13 +48,6 @@ def test_launch_freezes_what_exists_and_stop_unfreezes():
         assert sum(isinstance(o, _Cycle) for o in gc.get_objects()) == cycles - 1  # freed after unfreeze
 
     asyncio.run(main())
-
-
-def _pipeline_with_a_generator() -> Pipeline:
-    ctx = StageContext(rank=0, stage_timeout_s=1.0, accounting=Accounting())
-    pipe = Pipeline(Config(), ctx, world_size=1, engine=None, tokenizer=None, dataset=None, scorer=None)
-    pipe.generator = SimpleNamespace(forget_through=lambda step: None)
-    return pipe
 
 
 def _in_frozen_generation(obj) -> bool:
