@@ -66,22 +66,41 @@ LEARNING = [f"train.max_steps={STEPS}", "rollout.max_staleness=1", "rollout.prom
             "engine.max_batch_size=16"]
 
 
+# Held-out accuracy near 0.1-0.15 on 64 rows moves in steps of 1.6 points, and two runs' greedy answers differ by
+# several rows by chance: CI once saw 0.156 (colocated) against 0.094 (async). 512 rows of the same held-out split
+# measure it to about 1.5 points (local runs: async 0.127-0.135 against colocated 0.135), so the 5-point bound
+# tests learning, not luck.
+WIDE_EVAL_ROWS = 512
+
+
 @pytest.fixture(scope="module")
-def colocated_run(warm_arith, tmp_path_factory) -> tuple[dict, list[float]]:
+def wide_eval(warm_arith) -> list[str]:
+    sys.path.insert(0, str(REPO / "pipelines" / "arith"))
+    try:
+        from task import write_dataset
+    finally:
+        sys.path.pop(0)
+    # beside the model: launch/colocate.sh checks that the arith data sits in the prepared folder
+    path = write_dataset(str(warm_arith / f"eval{WIDE_EVAL_ROWS}.jsonl"), WIDE_EVAL_ROWS, 0, split="eval")
+    return [f"data.eval_path={path}", f"data.eval_size={WIDE_EVAL_ROWS}"]
+
+
+@pytest.fixture(scope="module")
+def colocated_run(warm_arith, wide_eval, tmp_path_factory) -> tuple[dict, list[float]]:
     """The colocated baseline, once: one rank (the first step's loss is the same on 1, 2 or 3 ranks:
     tests/integration/test_train_e2e.py), staleness 1 like the async runs."""
     out = tmp_path_factory.mktemp("colocated")
-    return run(warm_arith, out, *LEARNING), reward_curve(out)
+    return run(warm_arith, out, *LEARNING, *wide_eval), reward_curve(out)
 
 
 @pytest.mark.parametrize("learners", [1, 2])
-def test_async_learns_like_colocated_within_the_staleness_bound(warm_arith, tmp_path, learners, colocated_run):
+def test_async_learns_like_colocated_within_the_staleness_bound(warm_arith, wide_eval, tmp_path, learners, colocated_run):
     """60 steps async (staleness 1) against the colocated baseline: the training reward rises, held-out
     accuracy ends within 5 points, every trained token is at most one version behind, and engine and
     learner are busy at the same time."""
     colocated, colocated_curve = colocated_run
     out = tmp_path / "async"
-    summary = run(warm_arith, out, *LEARNING, "rollout.placement=async", "rollout.engine_ranks=1",
+    summary = run(warm_arith, out, *LEARNING, *wide_eval, "rollout.placement=async", "rollout.engine_ranks=1",
                   f"sinks.jsonl={out / 'traj'}", ranks=learners)
     print("colocated", colocated, "\nasync", summary)
     for curve in (colocated_curve, reward_curve(out)):
@@ -91,9 +110,13 @@ def test_async_learns_like_colocated_within_the_staleness_bound(warm_arith, tmp_
     assert summary["samples_admitted"] == summary["samples_trained"] == STEPS * 32 * 8 // learners
     check_versions(out, 1, STEPS * 32 * 8)
     # Both busy at once (not taking turns). The issue's target is >= 0.5; on the 2-core CPU, where the engine
-    # process, the learner and the scoring share two cores, 0.20-0.32 was measured (benchmarks/NOTES.md), so
-    # this bound only checks that they overlap; the GPU benchmark reports the fraction where it matters.
-    assert summary["async_both_busy_fraction"] >= 0.1, summary
+    # process, the learner and the scoring share two cores, the learner is busy a fifth to a third of the wall
+    # time and both 0.11-0.32 (benchmarks/NOTES.md, async placement on CPU), a fixed floor on "both" fails by
+    # chance; this bound only checks that they overlap: at least a quarter of the learner's busy time has the
+    # engine busy too (0.51-0.64 measured; taking turns gives 0). The GPU benchmark reports the fraction where
+    # it matters.
+    both, learner_busy = summary["async_both_busy_fraction"], summary["async_learner_busy_fraction"]
+    assert learner_busy > 0 and both >= 0.25 * learner_busy, summary
 
 
 def test_a_weight_update_lands_mid_generation_and_rows_keep_their_tokens(warm_arith, tmp_path):
