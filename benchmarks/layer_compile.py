@@ -1,6 +1,11 @@
-"""The first train step with ``train.compile_layers``: Python floats specialised while the layer compiles (what
-StreamRFT does, ``learner/compiling.py`` ``_CompileScope``) against symbolic floats (torch's default under
-``dynamic=True``), each cold (empty compile cache) and warm (a second process on the first one's cache).
+"""The first train step with ``train.compile_layers``, cold (empty compile cache) and warm (a second process on the
+first one's cache), in three variants of ``learner/compiling.py``:
+
+- ``symbolic``: every input dimension symbolic (torch.compile's ``dynamic=True``) and Python floats symbolic too
+  (torch's default under it);
+- ``specialised``: the same with floats specialised while the layer compiles (``_CompileScope``);
+- ``batch``: floats specialised, and only the rows and tokens symbolic (``SYMBOLIC_SHAPES = "batch"``, what
+  StreamRFT does).
 
 Each measurement is a fresh worker process (``--worker``): an FSDP2 learner (world size 1) on the model, one
 train step over three microbatches of different lengths; it reports the step's seconds, the AOTAutograd
@@ -10,7 +15,8 @@ agree). Usage::
     python benchmarks/layer_compile.py --out /tmp/lc            # tiny Qwen2 built under --out, CPU
     python benchmarks/layer_compile.py --out /tmp/lc --model DIR  # any Hugging Face causal LM directory
 
-Prints one row per (variant, cache) and the specialised/symbolic ratios; writes ``result.json`` under --out.
+Prints one row per (variant, cache) and the specialised/symbolic and batch/specialised ratios; writes
+``result.json`` under --out.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-VARIANTS = ("symbolic", "specialised")
+# variant -> (floats specialised while compiling, compiling.SYMBOLIC_SHAPES)
+VARIANTS = {"symbolic": (False, "all"), "specialised": (True, "all"), "batch": (True, "batch")}
+COMPARED = (("specialised", "symbolic"), ("batch", "specialised"))  # (variant, its baseline) ratios
 
 
 def _microbatches(vocab: int):
@@ -53,7 +61,8 @@ def worker(model: str, variant: str, result: Path) -> None:
     from streamrft.learner.fsdp2 import FSDP2Strategy
     from streamrft.runtime.distributed import destroy_distributed, init_distributed
 
-    compiling.layer_compiler(False).specialize_floats = variant == "specialised"
+    specialise_floats, compiling.SYMBOLIC_SHAPES = VARIANTS[variant]
+    compiling.layer_compiler(False).specialize_floats = specialise_floats
     dist = init_distributed(timeout_s=60)
     strat = FSDP2Strategy(ModelConfig(path=model, dtype="float32", attn_implementation="sdpa"),
                           TrainConfig(lr=1e-2, compile_layers=True), dist, total_steps=10)
@@ -85,12 +94,12 @@ def _tiny_model(out: Path) -> str:
     return str(d)
 
 
-def ratios(rows: list[dict]) -> dict[str, float]:
-    """specialised / symbolic first-step seconds, cold and warm (pure: rows as ``main`` collects them)."""
+def ratios(rows: list[dict], variant: str = "specialised", baseline: str = "symbolic") -> dict[str, float]:
+    """variant / baseline first-step seconds, cold and warm (pure: rows as ``main`` collects them)."""
     by = {(r["variant"], r["cache"]): r for r in rows if "first_step_s" in r}
     out = {}
     for cache in ("cold", "warm"):
-        a, b = by.get(("specialised", cache)), by.get(("symbolic", cache))
+        a, b = by.get((variant, cache)), by.get((baseline, cache))
         if a and b:
             out[cache] = a["first_step_s"] / b["first_step_s"]
     return out
@@ -101,7 +110,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="folder for the tiny model, the compile caches and result.json")
     parser.add_argument("--model", default="", help="a Hugging Face causal LM directory (default: a tiny Qwen2)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one worker may take")
-    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -129,10 +138,10 @@ def main() -> None:
             shown = row.get("error") or f"{row['first_step_s']:.2f} s, {row['aot_compiles']} AOT compiles, " \
                                          f"loss0 {row['loss0']!r}"
             print(f"{variant:12s} {state}: {shown}", flush=True)
-    summary = {"rows": rows, "ratio_specialised_over_symbolic": ratios(rows)}
+    summary = {"rows": rows, **{f"ratio_{a}_over_{b}": ratios(rows, a, b) for a, b in COMPARED}}
     (out / "result.json").write_text(json.dumps(summary, indent=1))
-    print("first step, specialised / symbolic floats:",
-          ", ".join(f"{k} {v:.2f}x" for k, v in summary["ratio_specialised_over_symbolic"].items()))
+    for a, b in COMPARED:
+        print(f"first step, {a} / {b}:", ", ".join(f"{k} {v:.2f}x" for k, v in summary[f"ratio_{a}_over_{b}"].items()))
 
 
 if __name__ == "__main__":

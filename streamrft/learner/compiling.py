@@ -18,11 +18,14 @@ Face's gradient-checkpointing wrapper of the class the layer has then (``FSDP<La
 ``fully_shard``): with ``model.gradient_checkpointing`` Dynamo traces ``torch.utils.checkpoint`` into the
 graph and AOTAutograd recomputes the layer in the compiled backward (the same memory saving).
 
-Shapes: ``dynamic=True``, so sequence length and rows are symbolic from the first call and microbatches of
-any length reuse the graph (``dynamic=None`` would compile a static graph first and a dynamic one at the
-second length). PyTorch still specialises a dimension first seen as 1 (one row, e.g. packing), so a later
-microbatch of several rows compiles once more. Gradient mode is part of the guards: no-grad log-prob passes
-get their own (forward-only) graph.
+Shapes: only the rows and tokens are symbolic (``_mark_batch_dims``: the hidden states' first two dimensions
+and the same dimensions of the mask, positions and rotary tables, found by the decoder layer's own argument
+names), marked before every call, so microbatches of any size reuse the first graph. Everything else (hidden
+size, head dimension, heads) stays a constant: ``dynamic=True`` made those symbolic too, and the symbolic-shape
+reasoning over them (sympy, in Dynamo's trace and again when a cached graph's guards are checked) was most of
+a compile, cold and warm (benchmarks/layer_compile.py, ``shapes=all`` rows). PyTorch still specialises a
+dimension first seen as 1 (one row, e.g. packing), so a later microbatch of several rows compiles once more.
+Gradient mode is part of the guards: no-grad log-prob passes get their own (forward-only) graph.
 
 Calls with a KV cache (the colocated hf engine generating with the learner's own modules) run eagerly: a
 cache's ``update(..., layer_idx)`` would guard on each layer's index (one graph per layer) and graph-break.
@@ -150,6 +153,17 @@ def _layer_forward(layer: torch.nn.Module, *args, **kwargs):
 
 _LAYER_COMPILERS: dict[bool, CompiledOrEager] = {}  # deterministic -> the one compiled layer forward
 
+# "batch": only rows and tokens are symbolic (module docstring); "all": every dimension of every input
+# (torch.compile's dynamic=True, as before): benchmarks/layer_compile.py's baseline, set before the first compile
+SYMBOLIC_SHAPES = "batch"
+
+# The decoder layer's tensor arguments (Hugging Face's names, the same for every causal LM here) and which of
+# their dimensions are rows or tokens, counted from the end: hidden states and rotary tables (..., rows, tokens,
+# features; Qwen2-VL's rotary tables lead with its 3 position sections), positions (..., rows, tokens), the
+# positions of a cache (tokens), a 4-D mask (rows, 1, query tokens, key tokens), a 2-D one (rows, tokens).
+_BATCH_DIMS_FROM_END = {"hidden_states": (2, 3), "position_embeddings": (2, 3), "position_ids": (1, 2),
+                        "cache_position": (1,), "attention_mask": {2: (1, 2), 4: (1, 2, 4)}}
+
 
 def layer_compiler(deterministic: bool) -> CompiledOrEager:
     """The compiled layer forward shared by every decoder layer of the process. ``deterministic``
@@ -157,10 +171,17 @@ def layer_compiler(deterministic: bool) -> CompiledOrEager:
     configurations that change results (reduction orders), so a run and its resume compile the same kernels."""
     if deterministic not in _LAYER_COMPILERS:
         options = {"deterministic": True} if deterministic else None
-        _LAYER_COMPILERS[deterministic] = CompiledOrEager(
-            _layer_forward, "train.compile_layers", "running the decoder layers", specialize_floats=True, dynamic=True,
-            options=options)
+        _LAYER_COMPILERS[deterministic] = new_layer_compiler(options=options)
     return _LAYER_COMPILERS[deterministic]
+
+
+def new_layer_compiler(**compile_kwargs) -> CompiledOrEager:
+    """A compiler of ``_layer_forward`` with this module's settings and ``compile_kwargs`` (options, backend)."""
+    # "all": every input dimension symbolic from the first call; "batch": none (dynamic=None) but the ones that
+    # _dispatch marks, and Dynamo's automatic dynamic shapes for an unmarked one that changes
+    return CompiledOrEager(_layer_forward, "train.compile_layers", "running the decoder layers",
+                           specialize_floats=True, dynamic=True if SYMBOLIC_SHAPES == "all" else None,
+                           **compile_kwargs)
 
 
 def _has_kv_cache(kwargs: dict) -> bool:
@@ -176,7 +197,26 @@ def _dispatch(compiler: CompiledOrEager, layer: torch.nn.Module, *args, **kwargs
         # again with a detached input, which has no base: a second graph, compiled at the first backward.
         # A copy that is not a view (one (tokens, hidden) tensor per such call) keeps one graph.
         args = (args[0].clone(), *args[1:])
+    if SYMBOLIC_SHAPES == "batch":
+        _mark_batch_dims(args, kwargs)
     return compiler(layer, *args, **kwargs)
+
+
+def _mark_batch_dims(args: tuple, kwargs: dict) -> None:
+    """Mark the row and token dimensions of the layer's inputs symbolic (``maybe_``: a dimension the graph
+    needs constant, such as one row, is specialised instead of failing the compile). By argument name, not by
+    size: a feature dimension that happens to equal the token count stays a constant."""
+    named = dict(kwargs)
+    if args:
+        named["hidden_states"] = args[0]
+    for name, dims in _BATCH_DIMS_FROM_END.items():
+        value = named.get(name)
+        for tensor in (value if isinstance(value, (tuple, list)) else (value,)):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            for k in (dims.get(tensor.dim(), ()) if isinstance(dims, dict) else dims):
+                if tensor.dim() >= k:
+                    torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - k)
 
 
 def compile_decoder_layers(layers: list[torch.nn.Module], deterministic: bool = False) -> None:

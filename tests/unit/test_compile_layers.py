@@ -147,11 +147,47 @@ def _aot_eager_layers(monkeypatch) -> compiling.CompiledOrEager:
     """A layer compiler with the aot_eager backend, on an emptied Dynamo cache: Dynamo keys its cache by code object
     (the one ``_layer_forward``) and guards classes by id, so an entry left by an earlier compile in this process
     could serve these calls (CI's single process once counted no new graph here)."""
+    return _layers_compiled_with(monkeypatch, "aot_eager")
+
+
+def _layers_compiled_with(monkeypatch, backend) -> compiling.CompiledOrEager:
     torch._dynamo.reset()
-    compiler = compiling.CompiledOrEager(compiling._layer_forward, "train.compile_layers", "running the decoder layers",
-                                         specialize_floats=True, dynamic=True, backend="aot_eager")
+    compiler = compiling.new_layer_compiler(backend=backend)
     monkeypatch.setitem(compiling._LAYER_COMPILERS, False, compiler)
     return compiler
+
+
+def test_only_rows_and_tokens_are_symbolic_in_the_layer_graph(monkeypatch, model_dir):
+    """The graph's inputs have symbolic rows and tokens and constant features (hidden size, head dimension):
+    symbolic features (torch.compile's dynamic=True) made most of a compile sympy work. Microbatches of other
+    rows and lengths, one whose token count equals the hidden size among them, reuse the one graph."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+
+    _layers_compiled_with(monkeypatch, record)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    layers = decoder_layers(model)
+    compiling.compile_decoder_layers(layers)
+    hidden = model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    for rows, tokens in ((2, 7), (3, 5), (2, hidden), (4, 9)):
+        x = torch.randn(rows, tokens, hidden, generator=g)
+        position_ids = torch.arange(tokens).expand(rows, tokens)
+        rope = model.model.rotary_emb(x, position_ids)
+        kwargs = dict(position_embeddings=rope, position_ids=position_ids, use_cache=False)
+        got, want = layers[1](x, **kwargs), compiling._layer_forward(layers[1], x, **kwargs)
+        torch.testing.assert_close(got, want)
+    assert len(graphs) == 1, f"{len(graphs)} graphs"
+    symbolic = {str(d) for value in graphs[0] if isinstance(value, torch.Tensor)
+                for d in value.shape if isinstance(d, torch.SymInt)}
+    assert len(symbolic) == 2, symbolic  # rows and tokens, nothing else
+    # the hidden states (rows, tokens, hidden) and rotary tables (rows, tokens, head dim); parameters are 1-D, 2-D
+    three_d = [v for v in graphs[0] if isinstance(v, torch.Tensor) and v.dim() == 3]
+    assert len(three_d) == 3 and {v.shape[2] for v in three_d} == {hidden, hidden // model.config.num_attention_heads}
+    assert all([isinstance(d, torch.SymInt) for d in v.shape] == [True, True, False] for v in three_d)
 
 
 @pytest.mark.slow
