@@ -23,8 +23,9 @@ and the same dimensions of the mask, positions and rotary tables, found by the d
 names), marked before every call, so microbatches of any size reuse the first graph. Everything else (hidden
 size, head dimension, heads) stays a constant: ``dynamic=True`` made those symbolic too, and the symbolic-shape
 reasoning over them (sympy, in Dynamo's trace and again when a cached graph's guards are checked) was most of
-a compile, cold and warm (benchmarks/layer_compile.py, ``shapes=all`` rows). PyTorch still specialises a
-dimension first seen as 1 (one row, e.g. packing), so a later microbatch of several rows compiles once more.
+a compile, cold and warm (benchmarks/layer_compile.py: ``batch`` against ``specialised``). PyTorch still
+specialises a dimension first seen as 1 (one row, e.g. packing), so a later microbatch of several rows compiles
+once more.
 Gradient mode is part of the guards: no-grad log-prob passes get their own (forward-only) graph.
 
 Calls with a KV cache (the colocated hf engine generating with the learner's own modules) run eagerly: a
