@@ -25,8 +25,7 @@ size, head dimension, heads) stays a constant: ``dynamic=True`` made those symbo
 reasoning over them (sympy, in Dynamo's trace and again when a cached graph's guards are checked) was most of
 a compile, cold and warm (benchmarks/layer_compile.py: ``batch`` against ``specialised``). PyTorch still
 specialises a dimension first seen as 1 (one row, e.g. packing), so a later microbatch of several rows compiles
-once more.
-Gradient mode is part of the guards: no-grad log-prob passes get their own (forward-only) graph.
+once more. Gradient mode is part of the guards: no-grad log-prob passes get their own (forward-only) graph.
 
 Calls with a KV cache (the colocated hf engine generating with the learner's own modules) run eagerly: a
 cache's ``update(..., layer_idx)`` would guard on each layer's index (one graph per layer) and graph-break.
