@@ -64,6 +64,18 @@ def build_learner(cfg: Config, dist):
     return strategy, reference, critic, ActorUpdate(strategy, reference, cfg, all_reduce_sum, critic)
 
 
+def _preload_compiler_if_used(cfg: Config, dist) -> None:
+    """Start importing Inductor now when the learner will compile (learner/compiling.py preload_compiler): the
+    decoder layers (train.compile_layers) or, on CUDA, the LM head (train.compile_head)."""
+    from streamrft.config.train import compile_layers_enabled
+
+    device = dist.device.type
+    if compile_layers_enabled(cfg.train, device) or (cfg.train.compile_head and device == "cuda"):
+        from streamrft.learner.compiling import preload_compiler
+
+        preload_compiler()
+
+
 def build_run(cfg: Config, dist) -> Run:
     """Create model, engine, stages and channels for this rank (config already validated)."""
     from streamrft.checkpoint import Checkpointer, set_deterministic
@@ -86,6 +98,7 @@ def build_run(cfg: Config, dist) -> Run:
     dataset = PromptDataset.from_config(d.train_path, d, written_keys=written)
     eval_dataset = PromptDataset.from_config(d.eval_path, d, written_keys=written) if d.eval_path else None
     strategy, reference, critic, actor = build_learner(cfg, dist)
+    _preload_compiler_if_used(cfg, dist)
     tokenizer = strategy.tokenizer
     if cfg.rollout.placement == "async":  # engine processes hold their own copies; the learner only evaluates
         engine = eval_engine = build_engine(greedy_engine_config(cfg.engine), strategy.module, tokenizer, dist.device)

@@ -34,6 +34,7 @@ cache's ``update(..., layer_idx)`` would guard on each layer's index (one graph 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import warnings
 from typing import Callable
@@ -116,6 +117,37 @@ def compile_seconds() -> float:
     return _CompileScope.seconds
 
 
+_PRELOAD: threading.Thread | None = None  # the compiler's import, started by preload_compiler
+PRELOAD_TIMEOUT_S = 300.0  # an import that takes longer is stuck (an import-lock cycle between threads): fail loudly
+
+
+def preload_compiler() -> None:
+    """Import Inductor's compiler (``torch._inductor.compile_fx`` and what it pulls in: lowering, kernel templates,
+    code caches) in a background thread. The first compile otherwise imports it inside the first train step
+    (2.4 of a warm first step's 6 s on this CPU, more where imports are slow); started once the learner is
+    built, the import overlaps the engine's set-up and the first rollout. A compile waits for it
+    (``_wait_for_preload``), so the two never import the same modules at once."""
+    global _PRELOAD
+    if _PRELOAD is None:
+        _PRELOAD = threading.Thread(target=_import_compiler, name="streamrft-preload-compiler", daemon=True)
+        _PRELOAD.start()
+
+
+def _import_compiler() -> None:
+    try:
+        import torch._inductor.compile_fx  # noqa: F401
+    except Exception:  # noqa: BLE001 - the compile imports it again in the caller's thread and fails or falls back there
+        pass
+
+
+def _wait_for_preload() -> None:
+    if _PRELOAD is not None and _PRELOAD.is_alive():
+        _PRELOAD.join(PRELOAD_TIMEOUT_S)
+        if _PRELOAD.is_alive():
+            raise RuntimeError(f"compile: importing torch._inductor in the background did not finish within "
+                               f"{PRELOAD_TIMEOUT_S:g} s (stage: the first train step's compile)")
+
+
 class CompiledOrEager:
     """``fn`` under ``torch.compile(fn, **compile_kwargs)`` (compiled lazily, at the first call); if compiling
     fails, one warning naming ``key`` and ``fn`` eagerly from then on (see the module docstring).
@@ -132,6 +164,7 @@ class CompiledOrEager:
         if not self.failed:
             try:
                 if self.compiled is None:
+                    _wait_for_preload()
                     self.compiled = torch.compile(self.fn, **self.compile_kwargs)
                 _CompileScope.install()
                 outer, _CompileScope.active = _CompileScope.active, self
