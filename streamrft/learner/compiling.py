@@ -126,7 +126,7 @@ def preload_compiler() -> None:
     code caches) in a background thread. The first compile otherwise imports it inside the first train step
     (2.4 of a warm first step's 6 s on this CPU, more where imports are slow); started once the learner is
     built, the import overlaps the engine's set-up and the first rollout. A compile waits for it
-    (``_wait_for_preload``), so the two never import the same modules at once."""
+    (``_wait_for_preload``) instead of importing the same modules beside it."""
     global _PRELOAD
     if _PRELOAD is None:
         _PRELOAD = threading.Thread(target=_import_compiler, name="streamrft-preload-compiler", daemon=True)
