@@ -68,8 +68,8 @@ LEARNING = [f"train.max_steps={STEPS}", "rollout.max_staleness=1", "rollout.prom
 
 # Held-out accuracy near 0.1-0.15 on 64 rows moves in steps of 1.6 points, and two runs' greedy answers differ by
 # several rows by chance: CI once saw 0.156 (colocated) against 0.094 (async). 512 rows of the same held-out split
-# measure it to about 1.5 points (local runs: async 0.127-0.135 against colocated 0.135), so the 5-point bound
-# tests learning, not luck.
+# measure it to about 1.5 points (local runs: async 0.127-0.135 against colocated 0.135; 0.160 and 0.168 against
+# 0.168), so the 5-point bound tests learning, not luck.
 WIDE_EVAL_ROWS = 512
 
 
@@ -113,7 +113,7 @@ def test_async_learns_like_colocated_within_the_staleness_bound(warm_arith, wide
     # process, the learner and the scoring share two cores, the learner is busy a fifth to a third of the wall
     # time and both 0.11-0.32 (benchmarks/NOTES.md, async placement on CPU), a fixed floor on "both" fails by
     # chance; this bound only checks that they overlap: at least a quarter of the learner's busy time has the
-    # engine busy too (0.51-0.64 measured; taking turns gives 0). The GPU benchmark reports the fraction where
+    # engine busy too (0.51-0.76 measured; taking turns gives 0). The GPU benchmark reports the fraction where
     # it matters.
     both, learner_busy = summary["async_both_busy_fraction"], summary["async_learner_busy_fraction"]
     assert learner_busy > 0 and both >= 0.25 * learner_busy, summary
