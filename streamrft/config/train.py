@@ -27,10 +27,10 @@ class TrainConfig(Section):
     eval_every: int = 0  # evaluate every N steps; 0 = before and after only
     log_every: int = 1
     compile_head: bool = True  # torch.compile the chunked LM-head log-prob/entropy (CUDA only; CPU runs eagerly)
-    # torch.compile each decoder layer (one shared graph, dynamic shapes; Inductor's Triton backend on CUDA, C++ on
-    # CPU); FSDP2 only. auto = on for fsdp2 on a GPU (H200, 0.5B: train step 3.84 -> 3.13 s, peak -9.3 GiB; the first
-    # step pays the compile, cached by compile_cache_dir), off on CPU (Inductor's C++ compile costs more than it saves
-    # at CPU sizes); true compiles on CPU too
+    # torch.compile each decoder layer (one shared graph, rows and tokens symbolic; Inductor's Triton backend on CUDA,
+    # C++ on CPU); FSDP2 only. auto = on for fsdp2 on a GPU (H200, 0.5B: train step 3.84 -> 3.13 s, peak -9.3 GiB; the
+    # first step pays the compile, cached by compile_cache_dir), off on CPU (Inductor's C++ compile costs more than it
+    # saves at CPU sizes); true compiles on CPU too
     compile_layers: Union[Literal["auto"], bool] = "auto"
     head_kernel: Literal["fused", "checkpoint"] = "fused"  # LM-head log-prob/entropy: fused (analytic backward, 4096-row chunks) or checkpoint (autograd, 1024-row chunks)
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise resume checks
