@@ -144,8 +144,10 @@ def _wait_for_preload() -> None:
     if _PRELOAD is not None and _PRELOAD.is_alive():
         _PRELOAD.join(PRELOAD_TIMEOUT_S)
         if _PRELOAD.is_alive():
+            dist = torch.distributed
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             raise RuntimeError(f"compile: importing torch._inductor in the background did not finish within "
-                               f"{PRELOAD_TIMEOUT_S:g} s (stage: the first train step's compile)")
+                               f"{PRELOAD_TIMEOUT_S:g} s (stage: the first train step's compile, rank {rank})")
 
 
 class CompiledOrEager:

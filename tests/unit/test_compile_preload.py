@@ -62,7 +62,8 @@ def test_a_preload_that_never_finishes_fails_the_compile_naming_the_stage(monkey
     monkeypatch.setattr(compiling, "PRELOAD_TIMEOUT_S", 0.2)
     double = compiling.CompiledOrEager(lambda x: x * 2, "test.compile", "doubling", backend="eager")
     try:
-        with pytest.raises(RuntimeError, match=r"did not finish within 0.2 s \(stage: the first train step's compile\)"):
+        stuck_error = r"did not finish within 0.2 s \(stage: the first train step's compile, rank 0\)"
+        with pytest.raises(RuntimeError, match=stuck_error):
             double(torch.ones(2))
         assert double.compiled is None and not double.failed  # nothing compiled, no silent eager fallback
     finally:
