@@ -54,7 +54,7 @@ def test_build_run_preloads_only_when_the_learner_compiles(monkeypatch):
     assert not _started_by_build_run(monkeypatch, "cuda", compile_layers=False, compile_head=False)
 
 
-def test_a_preload_that_never_finishes_fails_the_compile_naming_the_stage(monkeypatch):
+def test_a_preload_that_never_finishes_fails_the_compile_naming_the_stage_and_rank(monkeypatch):
     release = threading.Event()
     stuck = threading.Thread(target=release.wait, daemon=True)
     stuck.start()
