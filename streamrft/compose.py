@@ -67,10 +67,10 @@ def build_learner(cfg: Config, dist):
 def _preload_compiler_if_used(cfg: Config, dist) -> None:
     """Start importing Inductor now when the learner will compile (learner/compiling.py preload_compiler): the
     decoder layers (train.compile_layers) or, on CUDA, the LM head (train.compile_head)."""
-    from streamrft.config.train import compile_layers_enabled
+    from streamrft.config.train import compile_head_enabled, compile_layers_enabled
 
     device = dist.device.type
-    if compile_layers_enabled(cfg.train, device) or (cfg.train.compile_head and device == "cuda"):
+    if compile_layers_enabled(cfg.train, device) or compile_head_enabled(cfg.train.compile_head, device):
         from streamrft.learner.compiling import preload_compiler
 
         preload_compiler()

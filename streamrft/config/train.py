@@ -41,6 +41,11 @@ class TrainConfig(Section):
     offload_between_phases: bool = True  # colocated: move optimizer state (and params) to host memory during rollout; false keeps them on the device (faster switch when memory allows)
 
 
+def compile_head_enabled(compile_head: bool, device_type: str) -> bool:
+    """train.compile_head resolved for a learner on ``device_type``: the LM head compiles on CUDA only."""
+    return compile_head and device_type == "cuda"
+
+
 def compile_layers_enabled(cfg: TrainConfig, device_type: str) -> bool:
     """train.compile_layers resolved for a learner on ``device_type`` ("cuda" | "cpu")."""
     if cfg.compile_layers == "auto":

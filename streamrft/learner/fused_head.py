@@ -44,6 +44,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from streamrft.config.train import compile_head_enabled
 from streamrft.learner.compiling import CompiledOrEager
 
 _FILL = torch.finfo(torch.float32).min  # the banned ids' scaled logit, as logprobs.py's checkpoint kernel
@@ -133,7 +134,7 @@ def _elementwise(name: str, device: torch.device, compile_head: bool):
     """``chunk_stats`` or ``chunk_grad_logits``: under ``torch.compile`` on CUDA when asked; if compiling
     fails (no working Triton or C compiler), one warning and eager from then on (same values, slower). A
     failure of either turns both eager: the same compiler builds them."""
-    if not compile_head or device.type != "cuda" or any(c.failed for c in _ELEMENTWISE.values()):
+    if not compile_head_enabled(compile_head, device.type) or any(c.failed for c in _ELEMENTWISE.values()):
         return {"stats": chunk_stats, "grad": chunk_grad_logits}[name]
     return _ELEMENTWISE[name]
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from streamrft.config.train import HEAD_KERNELS
+from streamrft.config.train import HEAD_KERNELS, compile_head_enabled
 from streamrft.learner.compiling import CompiledOrEager
 from streamrft.learner.fused_head import fused_logp_entropy
 
@@ -68,7 +68,7 @@ def _chunk_function(device: torch.device, compile_head: bool):
     Eagerly, one chunk makes about eight float32 passes over its (chunk, V) logits forward and more in
     backward (cast, scale, log-softmax, gather, exp, product, sum); compiled, the softmax statistics,
     gather and entropy fuse into one pass over the head's output, and the backward into one more."""
-    if not compile_head or device.type != "cuda":
+    if not compile_head_enabled(compile_head, device.type):
         return _chunk_logp_entropy
     return _COMPILED_CHUNK
 
