@@ -317,7 +317,7 @@ class Checkpointer:
     def _stager(self, name: str):
         from streamrft.checkpoint.staging import HostStager
 
-        return self._stagers.setdefault(name, HostStager())
+        return self._stagers.setdefault(name, HostStager(self.dist.rank))
 
     def _checkpoint_group(self):
         """A gloo group for the background writes' collectives (DCP plans and gathers through it): on the

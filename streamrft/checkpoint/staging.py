@@ -7,8 +7,9 @@ may change the originals right after it returns, the background writer reads onl
   local shard is copied.
 - The host buffers are kept between saves and reused when the shapes match: allocating and first-touching
   gigabytes of host memory costs seconds per save on a VM (see benchmarks/NOTES.md), a copy into touched
-  memory does not. Buffers are pinned when the source is on a GPU (device-to-host copies at full speed,
-  issued non-blocking and synchronised once at the end).
+  memory does not. They are carved from one ``HostSlab`` (checkpoint/pinning.py), page-locked in place when
+  the state is on a GPU (device-to-host copies at full speed, issued non-blocking and synchronised once at
+  the end) without holding the CUDA driver's lock for the whole allocation.
 - Everything that is not a tensor (LR scheduler fields, Python scalars) is deep-copied.
 - ``prewarm(state)`` allocates (and touches) the buffers in a background thread ahead of the first save,
   so even the first save only copies (the Checkpointer calls it after the first train step, once the
@@ -27,8 +28,10 @@ import torch
 
 
 class HostStager:
-    def __init__(self):
+    def __init__(self, rank: int = 0):
+        self.rank = rank  # named in a warning
         self._buffers: dict[tuple, torch.Tensor] = {}  # state-dict path -> reused host buffer
+        self._slabs: list = []  # the HostSlabs the buffers are views of (their pages stay locked while kept)
         self.bytes_staged = 0  # of the last stage() call
         self.bytes_allocated = 0  # of the last stage() call (0 once the buffers are warm)
         self._prewarm: threading.Thread | None = None
@@ -36,18 +39,26 @@ class HostStager:
     def prewarm(self, state) -> None:
         """Allocate host buffers for ``state``'s tensors in a background thread (shapes are read here,
         nothing is copied). A failure there only means stage() allocates them itself (and raises then)."""
+        specs = self._specs(state)
+        self._prewarm = threading.Thread(target=self._allocate, args=(specs,), name="streamrft-checkpoint-prewarm",
+                                         daemon=True)
+        self._prewarm.start()
+
+    def _specs(self, state) -> list[tuple[tuple, torch.Size, torch.dtype, bool]]:
         specs: list[tuple[tuple, torch.Size, torch.dtype, bool]] = []
         self._shapes(state, (), specs)
+        return specs
 
-        def allocate() -> None:
-            for path, shape, dtype, pin in specs:
-                buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
-                if not pin:
-                    buf.zero_()  # first touch of the pages now, not inside the train step's save
-                self._buffers.setdefault(path, buf)
+    def _allocate(self, specs: list[tuple[tuple, torch.Size, torch.dtype, bool]]) -> int:
+        """One slab for every spec's buffer, page-locked when any source is on a GPU; returns its bytes."""
+        from streamrft.checkpoint.pinning import HostSlab
 
-        self._prewarm = threading.Thread(target=allocate, name="streamrft-checkpoint-prewarm", daemon=True)
-        self._prewarm.start()
+        slab = HostSlab([(shape, dtype) for _, shape, dtype, _ in specs], pin=any(cuda for *_, cuda in specs),
+                        rank=self.rank)
+        self._slabs.append(slab)
+        for (path, *_), view in zip(specs, slab.views):
+            self._buffers.setdefault(path, view)
+        return sum(v.numel() * v.element_size() for v in slab.views)
 
     def _shapes(self, obj, path: tuple, out: list) -> None:
         from torch.distributed.tensor import DTensor
@@ -69,6 +80,8 @@ class HostStager:
             self._prewarm.join()
             self._prewarm = None
         self.bytes_staged = self.bytes_allocated = 0
+        if not self._buffers:  # not prewarmed (a save at the first step): one slab now
+            self.bytes_allocated = self._allocate(self._specs(state))
         self._cuda = False
         out = self._copy(state, ())
         if self._cuda:
@@ -93,7 +106,7 @@ class HostStager:
     def _tensor(self, t: torch.Tensor, path: tuple) -> torch.Tensor:
         t = t.detach()
         buf = self._buffers.get(path)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:  # the state changed shape: its own buffer
             pin = t.is_cuda
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             self._buffers[path] = buf

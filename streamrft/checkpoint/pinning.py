@@ -1,0 +1,106 @@
+"""Host memory for checkpoint staging, page-locked without holding up the training thread.
+
+Why not ``torch.empty(..., pin_memory=True)``: it calls cudaHostAlloc, which faults in and page-locks the
+whole allocation while holding the CUDA driver's lock (and PyTorch's host allocator rounds each request up
+to a power of two). Made by the stager's background prewarm, every CUDA call of the training thread waited
+behind it: on the H200 the first switch back to rollout after the first train step took 4.2 s at 0.5B
+(~6 GB of fp32 weights and Adam state) and 11.8 s at 1.5B, against 0.02 s in every later step
+(benchmarks/NOTES.md v11).
+
+A ``HostSlab`` is one page-aligned block of ordinary host memory, carved into one buffer per tensor. Its
+pages are first touched by a plain fill (no CUDA call, so no driver lock), then locked in place with
+cudaHostRegister one chunk at a time: a CUDA call of another thread waits for one chunk at most. If the
+driver refuses (a locked-memory limit, a container without the capability), the slab stays ordinary
+memory: device-to-host copies are then synchronous and slower, still correct, and a warning says so.
+"""
+
+from __future__ import annotations
+
+import resource
+import warnings
+import weakref
+from typing import Callable, Sequence
+
+import torch
+
+ALIGN = 64  # bytes between buffers: every dtype's alignment, and a cache line
+CHUNK_BYTES = 256 << 20  # page-locked per driver call: a few tens of ms each
+PAGE = resource.getpagesize()
+
+Register = Callable[[int, int], "str | None"]  # (address, bytes) -> None, or the driver's error text
+Unregister = Callable[[int], None]
+
+
+def layout(specs: Sequence[tuple[torch.Size, torch.dtype]]) -> tuple[list[int], int]:
+    """Byte offsets of each (shape, dtype) buffer in a slab, ALIGN apart, and the slab's size rounded up to
+    whole pages (so page-locking its last page touches nothing else)."""
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        end = -(-end // ALIGN) * ALIGN
+        offsets.append(end)
+        end += _nbytes(shape, dtype)
+    return offsets, max(PAGE, -(-end // PAGE) * PAGE)
+
+
+def chunks(start: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(address, bytes) pieces covering [start, start + nbytes), each at most chunk_bytes (a page multiple)."""
+    step = max(PAGE, chunk_bytes // PAGE * PAGE)
+    return [(start + o, min(step, nbytes - o)) for o in range(0, nbytes, step)]
+
+
+class HostSlab:
+    """One page-aligned block of host memory holding a buffer per (shape, dtype) spec (``views``), its
+    pages touched, and page-locked when ``pin`` (``pinned`` says whether that worked). The pages are
+    unlocked when the slab is collected; the views keep the memory itself alive after that."""
+
+    def __init__(self, specs: Sequence[tuple[torch.Size, torch.dtype]], pin: bool, register: Register | None = None,
+                 unregister: Unregister | None = None, chunk_bytes: int = CHUNK_BYTES, rank: int = 0):
+        offsets, total = layout(specs)
+        raw = torch.empty(total + PAGE, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % PAGE
+        self.memory = raw[start:start + total]
+        self.memory.zero_()  # first touch of every page here, outside any CUDA call
+        self.nbytes = total
+        self.views = [self.memory[o:o + _nbytes(shape, dtype)].view(dtype).view(shape)
+                      for o, (shape, dtype) in zip(offsets, specs)]
+        self.pinned = False
+        if pin:
+            self.pinned = self._lock(register or cuda_register, unregister or cuda_unregister, chunk_bytes, rank)
+
+    def _lock(self, register: Register, unregister: Unregister, chunk_bytes: int, rank: int) -> bool:
+        locked: list[int] = []
+        for address, nbytes in chunks(self.memory.data_ptr(), self.nbytes, chunk_bytes):
+            error = register(address, nbytes)
+            if error is not None:
+                for done in locked:
+                    unregister(done)
+                warnings.warn(f"checkpoint staging on rank {rank}: page-locking {self.nbytes} bytes of host memory "
+                              f"failed ({error}); saves copy from the GPU through pageable memory (slower)",
+                              RuntimeWarning, stacklevel=3)
+                return False
+            locked.append(address)
+        # unlocked before the memory can be freed: weakref callbacks run before the slab's attributes go
+        weakref.finalize(self, _unlock_all, locked, unregister).atexit = False
+        return True
+
+
+def cuda_register(address: int, nbytes: int) -> str | None:
+    cudart = torch.cuda.cudart()
+    rc = cudart.cudaHostRegister(address, nbytes, 0)
+    return None if rc == cudart.cudaError.success else str(cudart.cudaGetErrorString(rc))
+
+
+def cuda_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _unlock_all(addresses: list[int], unregister: Unregister) -> None:
+    for address in addresses:
+        unregister(address)
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel * dtype.itemsize

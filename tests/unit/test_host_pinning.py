@@ -1,0 +1,118 @@
+"""Checkpoint staging's host slab (streamrft/checkpoint/pinning.py): layout, page-locking in chunks, unlocking.
+
+The driver calls are injected here (this machine has no GPU); the last test runs the real cudaHostRegister
+on a GPU machine."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+from streamrft.checkpoint.pinning import ALIGN, PAGE, HostSlab, chunks, layout
+from streamrft.checkpoint.staging import HostStager
+
+SPECS = [(torch.Size([3, 5]), torch.float32), (torch.Size([]), torch.int64), (torch.Size([7]), torch.bool),
+         (torch.Size([0, 4]), torch.bfloat16), (torch.Size([1000]), torch.float64)]
+
+
+class Driver:
+    """Records page-lock calls; ``fail_at``: the call number (1-based) that the driver refuses."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at, self.locked, self.unlocked = fail_at, [], []
+
+    def register(self, address: int, nbytes: int):
+        if len(self.locked) + 1 == self.fail_at:
+            return "cudaErrorMemoryAllocation: out of memory"
+        self.locked.append((address, nbytes))
+        return None
+
+    def unregister(self, address: int) -> None:
+        self.unlocked.append(address)
+
+
+def test_layout_aligns_every_buffer_and_rounds_the_slab_to_whole_pages():
+    offsets, total = layout(SPECS)
+    sizes = [3 * 5 * 4, 8, 7, 0, 8000]
+    assert offsets == [0, 64, 128, 192, 192]  # 60 -> 64, 72 -> 128, 135 -> 192, 192 (empty) -> 192
+    assert all(o % ALIGN == 0 for o in offsets)
+    assert total % PAGE == 0 and total >= offsets[-1] + sizes[-1]
+    assert chunks(4 * PAGE, 5 * PAGE + 10, 2 * PAGE) == [(4 * PAGE, 2 * PAGE), (6 * PAGE, 2 * PAGE),
+                                                         (8 * PAGE, PAGE + 10)]
+
+
+def test_a_slab_is_locked_in_page_aligned_chunks_that_tile_it_and_unlocked_once_when_dropped():
+    driver = Driver()
+    specs = SPECS + [(torch.Size([3 * PAGE]), torch.uint8)]  # more than two chunks of 2 pages
+    slab = HostSlab(specs, pin=True, register=driver.register, unregister=driver.unregister, chunk_bytes=2 * PAGE)
+    start = slab.memory.data_ptr()
+    assert slab.pinned and start % PAGE == 0
+    assert [a for a, _ in driver.locked] == list(range(start, start + slab.nbytes, 2 * PAGE))
+    assert sum(n for _, n in driver.locked) == slab.nbytes and all(n <= 2 * PAGE for _, n in driver.locked)
+    for view, (shape, dtype) in zip(slab.views, specs):
+        assert view.shape == shape and view.dtype == dtype and view.data_ptr() % ALIGN == 0
+        assert view.numel() == 0 or start <= view.data_ptr() and view.data_ptr() + view.numel() * view.element_size() <= start + slab.nbytes
+    assert all(int(v.count_nonzero()) == 0 for v in slab.views)  # touched: zero-filled
+    for i, view in enumerate(slab.views):
+        view.fill_(i + 1)  # each buffer is its own memory: no fill reaches a neighbour
+    assert [v.double().sum().item() for v in slab.views] == [15.0, 2.0, 7.0, 0.0, 5000.0, 6.0 * 3 * PAGE]
+    views, locked = slab.views, [a for a, _ in driver.locked]
+    del slab
+    gc.collect()
+    assert driver.unlocked == locked  # every chunk unlocked, once
+    assert views[0].sum().item() == 15.0  # the buffers stay readable after the pages are unlocked
+
+
+def test_a_refused_page_lock_unlocks_what_was_locked_and_warns_naming_rank_and_bytes():
+    driver = Driver(fail_at=2)
+    with pytest.warns(RuntimeWarning, match=r"rank 3: page-locking \d+ bytes of host memory failed "
+                                            r"\(cudaErrorMemoryAllocation: out of memory\)"):
+        slab = HostSlab([(torch.Size([4 * PAGE]), torch.uint8)], pin=True, register=driver.register,
+                        unregister=driver.unregister, chunk_bytes=PAGE, rank=3)
+    assert not slab.pinned and driver.unlocked == [driver.locked[0][0]] and len(driver.locked) == 1
+    slab.views[0].fill_(1)  # still usable memory
+    del slab
+    gc.collect()
+    assert len(driver.unlocked) == 1  # nothing left to unlock
+
+
+def test_a_slab_for_host_tensors_is_not_locked():
+    driver = Driver()
+    slab = HostSlab(SPECS, pin=False, register=driver.register, unregister=driver.unregister)
+    assert not slab.pinned and driver.locked == []
+
+
+def test_the_stager_carves_every_buffer_from_one_slab_whether_prewarmed_or_not():
+    live = {"w": torch.arange(12.0).reshape(3, 4), "opt": [{"m": torch.ones(5, dtype=torch.bfloat16),
+                                                            "step": torch.tensor(3)}], "lr": 0.1}
+    for prewarm in (True, False):
+        stager = HostStager()
+        if prewarm:
+            stager.prewarm(live)
+        staged = stager.stage(live)
+        assert len(stager._slabs) == 1
+        slab = stager._slabs[0]
+        lo, hi = slab.memory.data_ptr(), slab.memory.data_ptr() + slab.nbytes
+        for t in (staged["w"], staged["opt"][0]["m"], staged["opt"][0]["step"]):
+            assert lo <= t.data_ptr() < hi
+        assert stager.bytes_allocated == (0 if prewarm else 48 + 10 + 8) and stager.bytes_staged == 48 + 10 + 8
+        assert torch.equal(staged["w"], live["w"]) and staged["opt"][0]["step"].item() == 3
+    live["w"] = torch.zeros(2, 2)  # a changed shape gets a buffer of its own
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(stager.stage(live)["w"], torch.zeros(2, 2)) and stager.bytes_allocated == 16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locks through the CUDA driver")
+def test_a_slab_is_page_locked_by_the_driver_and_copies_from_the_gpu_land():
+    slab = HostSlab([(torch.Size([1 << 20]), torch.float32), (torch.Size([3]), torch.int64)], pin=True,
+                    chunk_bytes=1 << 20)
+    assert slab.pinned and all(v.is_pinned() for v in slab.views)
+    src = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    slab.views[0].copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(slab.views[0], src.cpu())
+    del slab
+    gc.collect()
+    torch.cuda.synchronize()  # unlocking left the driver in a good state
