@@ -139,7 +139,7 @@ COLUMNS = [
     ("roll1", "first_rollout_s"), ("rollN", "steady_rollout_s"), ("dec_init1", "decoder_init_first_s"),
     ("capture1", "capture_first_s"), ("captureN", "capture_steady_s"), ("train1", "first_train_s"),
     ("compile1", "first_compile_s"), ("trainN", "steady_train_s"), ("wsync1", "first_weight_sync_s"),
-    ("step1", "first_step_s"), ("to_step1", "launch_to_first_step_s"),
+    ("t2r1", "first_train_to_rollout_s"), ("step1", "first_step_s"), ("to_step1", "launch_to_first_step_s"),
 ]
 
 
@@ -147,8 +147,8 @@ def first_step_table(rows: list[dict]) -> str:
     """One line per StreamRFT run (``first_step`` and ``cache`` from the worker's result): seconds per part."""
     lines = ["first step, seconds (validate: the config check, which imports the learner's modules; roll1/train1: "
              "the first rollout and train step; N: steady median; capture: CUDA-graph capture + Triton decode "
-             "compile; compile1: torch.compile's share of the first step (layers, LM head); to_step1: launch to "
-             "the end of the first train step)",
+             "compile; compile1: torch.compile's share of the first step (layers, LM head); t2r1: the switch back "
+             "to rollout that ends step 1; to_step1: launch to the end of the first train step)",
              f"{'size':6} {'run':22} {'cache':5} " + " ".join(f"{c:>9}" for c, _ in COLUMNS) + "  inductor hit/miss"]
     for r in rows:
         fs = r.get("first_step")

@@ -42,6 +42,7 @@ def test_breakdown_from_marks_and_calls():
     row_cells = table.splitlines()[2].split()
     assert row_cells[:3] == ["0.5b", "streamrft", "cold"] and row_cells[-1] == "0/3"
     assert row_cells[3:3 + len(COLUMNS)][3] == "30.00"  # model column
+    assert row_cells[3 + [c for c, _ in COLUMNS].index("t2r1")] == "0.50"  # the switch that ends step 1
 
 
 def test_stamps_time_functions_methods_and_constructors():
