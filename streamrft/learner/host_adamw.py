@@ -33,10 +33,12 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def _register(buf: torch.Tensor) -> bool:
     """Page-lock ``buf`` in place (exact size) so host <-> device copies are asynchronous; False if refused."""
-    err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0))
-    if err != 0:
+    from streamrft.checkpoint.pinning import cuda_register
+
+    error = cuda_register(buf.data_ptr(), buf.numel() * buf.element_size())
+    if error is not None:
         warnings.warn(f"train.optimizer_offload: cudaHostRegister of {buf.numel() * 4 / 2**30:.1f} GiB failed "
-                      f"(cudaError {err}); the AdamW moments stay in pageable host memory (slower copies)")
+                      f"({error}); the AdamW moments stay in pageable host memory (slower copies)")
         return False
     return True
 
