@@ -9,7 +9,8 @@ behind it: on the H200 the first switch back to rollout after the first train st
 
 A ``HostSlab`` is one page-aligned block of ordinary host memory, carved into one buffer per tensor. Its
 pages are first touched by a plain fill (no CUDA call, so no driver lock), then locked in place with
-cudaHostRegister one chunk at a time: a CUDA call of another thread waits for one chunk at most. If the
+cudaHostRegister one chunk of whole buffers at a time (~256 MiB, or one larger buffer): a CUDA call of
+another thread waits for one chunk at most. If the
 driver refuses (a locked-memory limit, a container without the capability), the slab stays ordinary
 memory: device-to-host copies are then synchronous and slower, still correct, and a warning says so.
 """
@@ -31,21 +32,33 @@ Register = Callable[[int, int], "str | None"]  # (address, bytes) -> None, or th
 Unregister = Callable[[int], None]
 
 
-def layout(specs: Sequence[tuple[torch.Size, torch.dtype]]) -> tuple[list[int], int]:
-    """Byte offsets of each (shape, dtype) buffer in a slab, ALIGN apart, and the slab's size rounded up to
-    whole pages (so page-locking its last page touches nothing else)."""
-    offsets, end = [], 0
+def layout(specs: Sequence[tuple[torch.Size, torch.dtype]],
+           chunk_bytes: int = CHUNK_BYTES) -> tuple[list[int], list[tuple[int, int]], int]:
+    """Where each (shape, dtype) buffer goes in a slab, and how the slab is page-locked.
+
+    Returns the buffers' byte offsets (ALIGN apart), the lock chunks as (offset, bytes), and the slab's size.
+    A chunk holds whole buffers only, at most chunk_bytes of them (a larger buffer is a chunk by itself),
+    starts on a page and ends on one: the driver treats each registration as one allocation, and a copy
+    whose host range crosses from one registration into the next fails (cudaErrorInvalidValue on the H200),
+    while two registrations sharing a page would be refused."""
+    offsets: list[int] = []
+    runs: list[tuple[int, int]] = []
+    run_start, end = 0, 0
     for shape, dtype in specs:
-        end = -(-end // ALIGN) * ALIGN
-        offsets.append(end)
-        end += _nbytes(shape, dtype)
-    return offsets, max(PAGE, -(-end // PAGE) * PAGE)
+        nbytes = _nbytes(shape, dtype)
+        aligned = -(-end // ALIGN) * ALIGN
+        if aligned > run_start and aligned + nbytes - run_start > chunk_bytes:
+            runs.append((run_start, _pages(end) - run_start))  # close this chunk; the buffer starts the next
+            run_start = aligned = _pages(end)
+        offsets.append(aligned)
+        end = aligned + nbytes
+    total = max(PAGE, _pages(end))
+    runs.append((run_start, total - run_start))
+    return offsets, runs, total
 
 
-def chunks(start: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """(address, bytes) pieces covering [start, start + nbytes), each at most chunk_bytes (a page multiple)."""
-    step = max(PAGE, chunk_bytes // PAGE * PAGE)
-    return [(start + o, min(step, nbytes - o)) for o in range(0, nbytes, step)]
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
 
 
 class HostSlab:
@@ -55,7 +68,7 @@ class HostSlab:
 
     def __init__(self, specs: Sequence[tuple[torch.Size, torch.dtype]], pin: bool, register: Register | None = None,
                  unregister: Unregister | None = None, chunk_bytes: int = CHUNK_BYTES, rank: int = 0):
-        offsets, total = layout(specs)
+        offsets, runs, total = layout(specs, chunk_bytes)
         raw = torch.empty(total + PAGE, dtype=torch.uint8)
         start = (-raw.data_ptr()) % PAGE
         self.memory = raw[start:start + total]
@@ -65,11 +78,13 @@ class HostSlab:
                       for o, (shape, dtype) in zip(offsets, specs)]
         self.pinned = False
         if pin:
-            self.pinned = self._lock(register or cuda_register, unregister or cuda_unregister, chunk_bytes, rank)
+            self.pinned = self._lock(register or cuda_register, unregister or cuda_unregister, runs, rank)
 
-    def _lock(self, register: Register, unregister: Unregister, chunk_bytes: int, rank: int) -> bool:
+    def _lock(self, register: Register, unregister: Unregister, runs: list[tuple[int, int]], rank: int) -> bool:
         locked: list[int] = []
-        for address, nbytes in chunks(self.memory.data_ptr(), self.nbytes, chunk_bytes):
+        base = self.memory.data_ptr()
+        for offset, nbytes in runs:
+            address = base + offset
             error = register(address, nbytes)
             if error is not None:
                 for done in locked:

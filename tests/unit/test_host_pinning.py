@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from streamrft.checkpoint.pinning import ALIGN, PAGE, HostSlab, chunks, layout
+from streamrft.checkpoint.pinning import ALIGN, PAGE, HostSlab, layout
 from streamrft.checkpoint.staging import HostStager
 
 SPECS = [(torch.Size([3, 5]), torch.float32), (torch.Size([]), torch.int64), (torch.Size([7]), torch.bool),
@@ -33,13 +33,27 @@ class Driver:
 
 
 def test_layout_aligns_every_buffer_and_rounds_the_slab_to_whole_pages():
-    offsets, total = layout(SPECS)
+    offsets, runs, total = layout(SPECS)
     sizes = [3 * 5 * 4, 8, 7, 0, 8000]
     assert offsets == [0, 64, 128, 192, 192]  # 60 -> 64, 72 -> 128, 135 -> 192, 192 (empty) -> 192
     assert all(o % ALIGN == 0 for o in offsets)
     assert total % PAGE == 0 and total >= offsets[-1] + sizes[-1]
-    assert chunks(4 * PAGE, 5 * PAGE + 10, 2 * PAGE) == [(4 * PAGE, 2 * PAGE), (6 * PAGE, 2 * PAGE),
-                                                         (8 * PAGE, PAGE + 10)]
+    assert runs == [(0, total)]  # all of it fits one chunk
+
+
+def test_lock_chunks_hold_whole_buffers_start_on_pages_and_tile_the_slab():
+    # a copy whose host range crosses from one registration into the next fails on the GPU, so no buffer may
+    # straddle a chunk boundary; a buffer larger than a chunk is a chunk by itself
+    specs = [(torch.Size([PAGE // 2]), torch.uint8), (torch.Size([PAGE]), torch.uint8),
+             (torch.Size([5 * PAGE]), torch.uint8), (torch.Size([10]), torch.uint8), (torch.Size([0]), torch.uint8),
+             (torch.Size([PAGE // 4]), torch.float32)]
+    offsets, runs, total = layout(specs, chunk_bytes=2 * PAGE)
+    assert offsets == [0, PAGE // 2, 2 * PAGE, 7 * PAGE, 7 * PAGE + 64, 7 * PAGE + 64]
+    assert runs == [(0, 2 * PAGE), (2 * PAGE, 5 * PAGE), (7 * PAGE, 2 * PAGE)]
+    assert total == 9 * PAGE
+    for offset, (shape, dtype) in zip(offsets, specs):
+        nbytes = shape.numel() * dtype.itemsize
+        assert nbytes == 0 or sum(start <= offset and offset + nbytes <= start + size for start, size in runs) == 1
 
 
 def test_a_slab_is_locked_in_page_aligned_chunks_that_tile_it_and_unlocked_once_when_dropped():
@@ -48,8 +62,9 @@ def test_a_slab_is_locked_in_page_aligned_chunks_that_tile_it_and_unlocked_once_
     slab = HostSlab(specs, pin=True, register=driver.register, unregister=driver.unregister, chunk_bytes=2 * PAGE)
     start = slab.memory.data_ptr()
     assert slab.pinned and start % PAGE == 0
-    assert [a for a, _ in driver.locked] == list(range(start, start + slab.nbytes, 2 * PAGE))
-    assert sum(n for _, n in driver.locked) == slab.nbytes and all(n <= 2 * PAGE for _, n in driver.locked)
+    _, runs, _ = layout(specs, chunk_bytes=2 * PAGE)
+    assert driver.locked == [(start + o, n) for o, n in runs] and len(runs) == 2  # small buffers, the big one
+    assert sum(n for _, n in driver.locked) == slab.nbytes and all(a % PAGE == 0 for a, _ in driver.locked)
     for view, (shape, dtype) in zip(slab.views, specs):
         assert view.shape == shape and view.dtype == dtype and view.data_ptr() % ALIGN == 0
         assert view.numel() == 0 or start <= view.data_ptr() and view.data_ptr() + view.numel() * view.element_size() <= start + slab.nbytes
@@ -68,7 +83,7 @@ def test_a_refused_page_lock_unlocks_what_was_locked_and_warns_naming_rank_and_b
     driver = Driver(fail_at=2)
     with pytest.warns(RuntimeWarning, match=r"rank 3: page-locking \d+ bytes of host memory failed "
                                             r"\(cudaErrorMemoryAllocation: out of memory\)"):
-        slab = HostSlab([(torch.Size([4 * PAGE]), torch.uint8)], pin=True, register=driver.register,
+        slab = HostSlab([(torch.Size([PAGE]), torch.uint8)] * 4, pin=True, register=driver.register,
                         unregister=driver.unregister, chunk_bytes=PAGE, rank=3)
     assert not slab.pinned and driver.unlocked == [driver.locked[0][0]] and len(driver.locked) == 1
     slab.views[0].fill_(1)  # still usable memory
@@ -106,13 +121,16 @@ def test_the_stager_carves_every_buffer_from_one_slab_whether_prewarmed_or_not()
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locks through the CUDA driver")
 def test_a_slab_is_page_locked_by_the_driver_and_copies_from_the_gpu_land():
-    slab = HostSlab([(torch.Size([1 << 20]), torch.float32), (torch.Size([3]), torch.int64)], pin=True,
-                    chunk_bytes=1 << 20)
+    # the first buffer is four chunks' worth (a copy across two registrations failed here before)
+    specs = [(torch.Size([1 << 20]), torch.float32), (torch.Size([3]), torch.int64),
+             (torch.Size([200_000]), torch.float32), (torch.Size([200_000]), torch.bfloat16)]
+    slab = HostSlab(specs, pin=True, chunk_bytes=1 << 20)
     assert slab.pinned and all(v.is_pinned() for v in slab.views)
-    src = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
-    slab.views[0].copy_(src, non_blocking=True)
+    sources = [torch.arange(s.numel(), device="cuda").to(d).reshape(s) for s, d in specs]
+    for view, src in zip(slab.views, sources):
+        view.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
-    assert torch.equal(slab.views[0], src.cpu())
+    assert all(torch.equal(v, s.cpu()) for v, s in zip(slab.views, sources))
     del slab
     gc.collect()
     torch.cuda.synchronize()  # unlocking left the driver in a good state
