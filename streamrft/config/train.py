@@ -32,6 +32,10 @@ class TrainConfig(Section):
     # first step pays the compile, cached by compile_cache_dir), off on CPU (Inductor's C++ compile costs more than it
     # saves at CPU sizes); true compiles on CPU too
     compile_layers: Union[Literal["auto"], bool] = "auto"
+    # compiled decoder layers only: the fraction (0..1) of the layer graph's backward activations kept; below 1,
+    # torch.compile's partitioner recomputes the cheapest of the rest in backward (0 = layer inputs only, as
+    # model.gradient_checkpointing). benchmarks/NOTES.md v12: peak memory against train time on the H200
+    activation_memory_budget: float = 1.0
     head_kernel: Literal["fused", "checkpoint"] = "fused"  # LM-head log-prob/entropy: fused (analytic backward, 4096-row chunks) or checkpoint (autograd, 1024-row chunks)
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise resume checks
     record_batches: bool = False  # save every step's batch under output_dir/batches/ for `streamrft replay`

@@ -107,6 +107,16 @@ def validate_train(cfg) -> None:
         raise ConfigError(f"train.adam_betas={t.adam_betas} must be two numbers in [0, 1)")
     if t.micro_batch_tokens < 1:
         raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens} must be >= 1")
+    if not 0.0 <= t.activation_memory_budget <= 1.0:
+        raise ConfigError(f"train.activation_memory_budget={t.activation_memory_budget} must be in [0, 1] (1 = off)")
+    if t.activation_memory_budget < 1.0 and t.compile_layers == "auto":
+        import torch
+
+        if not torch.cuda.is_available():  # the learner runs on the CPU: auto leaves its layers eager
+            raise ConfigError(
+                f"train.activation_memory_budget={t.activation_memory_budget} applies to the compiled decoder layers, "
+                "and train.compile_layers=auto compiles them on a GPU only (this machine has none): set "
+                "train.compile_layers=true to compile them on the CPU, or leave the budget at 1")
     if t.mini_batches_per_step < 1 or t.ppo_epochs < 1:
         raise ConfigError("train.mini_batches_per_step and train.ppo_epochs must be >= 1")
     if t.head_kernel not in HEAD_KERNELS:

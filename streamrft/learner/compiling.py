@@ -61,6 +61,8 @@ class _CompileScope:
       whole layer and its joint forward-backward graph Dynamo gives up and traces everything again with them
       specialised (a "restart": benchmarks/layer_compile.py measured the warm first step 0.60x without it).
       The floats are per-model constants (the same in every layer), so their guards cost no extra graph.
+    - The compiler's own AOTAutograd settings (``CompiledOrEager(functorch_settings=...)``): the layers'
+      ``activation_memory_budget`` (train.activation_memory_budget).
     """
 
     active: "CompiledOrEager | None" = None  # the compiler whose call is running
@@ -85,9 +87,11 @@ class _CompileScope:
             return
         import torch._functorch.config as functorch_config
 
+        settings = {"force_non_lazy_backward_lowering": True, **cls.active.functorch_settings}
         cls.saved = {"specialize_float": torch._dynamo.config.specialize_float,
-                     "force_non_lazy_backward_lowering": functorch_config.force_non_lazy_backward_lowering}
-        functorch_config.force_non_lazy_backward_lowering = True
+                     "functorch": {name: getattr(functorch_config, name) for name in settings}}
+        for name, value in settings.items():
+            setattr(functorch_config, name, value)
         if cls.active.specialize_floats:
             torch._dynamo.config.specialize_float = True
 
@@ -100,7 +104,8 @@ class _CompileScope:
         import torch._functorch.config as functorch_config
 
         torch._dynamo.config.specialize_float = cls.saved["specialize_float"]
-        functorch_config.force_non_lazy_backward_lowering = cls.saved["force_non_lazy_backward_lowering"]
+        for name, value in cls.saved["functorch"].items():
+            setattr(functorch_config, name, value)
         cls.saved = None
 
 
@@ -153,11 +158,14 @@ def _wait_for_preload() -> None:
 class CompiledOrEager:
     """``fn`` under ``torch.compile(fn, **compile_kwargs)`` (compiled lazily, at the first call); if compiling
     fails, one warning naming ``key`` and ``fn`` eagerly from then on (see the module docstring).
-    ``specialize_floats``: the compiles its calls trigger treat Python floats as constants (``_CompileScope``)."""
+    ``specialize_floats``: the compiles its calls trigger treat Python floats as constants; ``functorch_settings``:
+    ``torch._functorch.config`` values for those compiles only (``_CompileScope``)."""
 
-    def __init__(self, fn: Callable, key: str, what: str, specialize_floats: bool = False, **compile_kwargs):
+    def __init__(self, fn: Callable, key: str, what: str, specialize_floats: bool = False,
+                 functorch_settings: dict | None = None, **compile_kwargs):
         self.fn, self.key, self.what = fn, key, what
         self.specialize_floats = specialize_floats
+        self.functorch_settings = dict(functorch_settings or {})
         self.compile_kwargs = compile_kwargs
         self.compiled: Callable | None = None
         self.failed = False
@@ -186,7 +194,8 @@ def _layer_forward(layer: torch.nn.Module, *args, **kwargs):
     return type(layer).forward(layer, *args, **kwargs)
 
 
-_LAYER_COMPILERS: dict[bool, CompiledOrEager] = {}  # deterministic -> the one compiled layer forward
+# (deterministic, activation_memory_budget) -> the one compiled layer forward
+_LAYER_COMPILERS: dict[tuple[bool, float], CompiledOrEager] = {}
 
 # "batch": only rows and tokens are symbolic (module docstring); "all": every dimension of every input
 # (torch.compile's dynamic=True, as before): benchmarks/layer_compile.py's baseline, set before the first compile
@@ -200,23 +209,30 @@ _BATCH_DIMS_FROM_END = {"hidden_states": (2, 3), "position_embeddings": (2, 3), 
                         "cache_position": (1,), "attention_mask": {2: (1, 2), 4: (1, 2, 4)}}
 
 
-def layer_compiler(deterministic: bool) -> CompiledOrEager:
+def layer_compiler(deterministic: bool, activation_memory_budget: float = 1.0) -> CompiledOrEager:
     """The compiled layer forward shared by every decoder layer of the process. ``deterministic``
     (train.deterministic): Inductor's deterministic mode, which skips on-device benchmarking of kernel
-    configurations that change results (reduction orders), so a run and its resume compile the same kernels."""
-    if deterministic not in _LAYER_COMPILERS:
+    configurations that change results (reduction orders), so a run and its resume compile the same kernels.
+    ``activation_memory_budget`` (train.activation_memory_budget): below 1, AOTAutograd's partitioner keeps at
+    most that fraction of the activations the layer graph would save for backward (0: only its inputs, as
+    gradient checkpointing) and recomputes the rest in the compiled backward, choosing what is cheapest to
+    recompute by FLOPs (elementwise ops and norms before matmuls): selective recompute without marking ops."""
+    key = (deterministic, float(activation_memory_budget))
+    if key not in _LAYER_COMPILERS:
         options = {"deterministic": True} if deterministic else None
-        _LAYER_COMPILERS[deterministic] = new_layer_compiler(options=options)
-    return _LAYER_COMPILERS[deterministic]
+        settings = {"activation_memory_budget": key[1]} if key[1] < 1.0 else {}
+        _LAYER_COMPILERS[key] = new_layer_compiler(options=options, functorch_settings=settings)
+    return _LAYER_COMPILERS[key]
 
 
-def new_layer_compiler(**compile_kwargs) -> CompiledOrEager:
-    """A compiler of ``_layer_forward`` with this module's settings and ``compile_kwargs`` (options, backend)."""
+def new_layer_compiler(functorch_settings: dict | None = None, **compile_kwargs) -> CompiledOrEager:
+    """A compiler of ``_layer_forward`` with this module's settings, ``functorch_settings`` (AOTAutograd's, for
+    its compiles) and ``compile_kwargs`` (options, backend)."""
     # "all": every input dimension symbolic from the first call; "batch": none (dynamic=None) but the ones that
     # _dispatch marks, and Dynamo's automatic dynamic shapes for an unmarked one that changes
     return CompiledOrEager(_layer_forward, "train.compile_layers", "running the decoder layers",
-                           specialize_floats=True, dynamic=True if SYMBOLIC_SHAPES == "all" else None,
-                           **compile_kwargs)
+                           specialize_floats=True, functorch_settings=functorch_settings,
+                           dynamic=True if SYMBOLIC_SHAPES == "all" else None, **compile_kwargs)
 
 
 def _has_kv_cache(kwargs: dict) -> bool:
@@ -254,9 +270,10 @@ def _mark_batch_dims(args: tuple, kwargs: dict) -> None:
                     torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - k)
 
 
-def compile_decoder_layers(layers: list[torch.nn.Module], deterministic: bool = False) -> None:
+def compile_decoder_layers(layers: list[torch.nn.Module], deterministic: bool = False,
+                           activation_memory_budget: float = 1.0) -> None:
     """Route each layer's forward through the shared compiled function (in place; see the module docstring)."""
-    compiler = layer_compiler(deterministic)
+    compiler = layer_compiler(deterministic, activation_memory_budget)
     for layer in layers:
         layer.forward = functools.partial(_dispatch, compiler, layer)
 

@@ -99,7 +99,7 @@ def media_encoder_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dtype | None,
                 compile_head: bool = False, head_kernel: str = "fused", compile_layers: bool = False,
-                deterministic: bool = False) -> torch.nn.Module:
+                deterministic: bool = False, activation_memory_budget: float = 1.0) -> torch.nn.Module:
     """fully_shard each vision block and the merger (VL models), each decoder layer, then the root; register
     the log-prob forward method. In place. ``compile_layers`` (train.compile_layers): the language decoder
     layers' forwards run compiled (learner/compiling.py), FSDP2's hooks around them stay eager."""
@@ -108,7 +108,7 @@ def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dty
     if compute_dtype is not None and compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if compile_layers:
-        compile_decoder_layers(decoder_layers(model), deterministic)
+        compile_decoder_layers(decoder_layers(model), deterministic, activation_memory_budget)
     for unit in media_encoder_units(model) + decoder_layers(model):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
@@ -220,7 +220,7 @@ class FSDP2Strategy:
         model.train()  # HF gradient checkpointing is active only in train mode
         self.module = shard_model(model, dist, self.compute_dtype, train_cfg.compile_head, train_cfg.head_kernel,
                                   compile_layers_enabled(train_cfg, dist.device.type),
-                                  train_cfg.deterministic).to(self.device)
+                                  train_cfg.deterministic, train_cfg.activation_memory_budget).to(self.device)
         for m in fsdp_modules(self.module):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

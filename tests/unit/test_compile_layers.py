@@ -153,7 +153,7 @@ def _aot_eager_layers(monkeypatch) -> compiling.CompiledOrEager:
 def _layers_compiled_with(monkeypatch, backend) -> compiling.CompiledOrEager:
     torch._dynamo.reset()
     compiler = compiling.new_layer_compiler(backend=backend)
-    monkeypatch.setitem(compiling._LAYER_COMPILERS, False, compiler)
+    monkeypatch.setitem(compiling._LAYER_COMPILERS, (False, 1.0), compiler)
     return compiler
 
 
@@ -278,7 +278,7 @@ def test_a_failed_layer_compile_warns_once_and_runs_eagerly(monkeypatch, model_d
 
     compiler = compiling.CompiledOrEager(compiling._layer_forward, "train.compile_layers", "running the decoder layers")
     compiler.compiled = broken
-    monkeypatch.setitem(compiling._LAYER_COMPILERS, False, compiler)
+    monkeypatch.setitem(compiling._LAYER_COMPILERS, (False, 1.0), compiler)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.tensor([[5, 9, 11, 4, 7], [3, 3, 8, 20, 1]])
     with torch.no_grad():
@@ -306,7 +306,7 @@ def test_a_backward_that_fails_to_compile_falls_back_at_the_forward_not_inside_b
     torch._dynamo.reset()
     compiler = compiling.CompiledOrEager(compiling._layer_forward, "train.compile_layers", "running the decoder layers",
                                          specialize_floats=True, dynamic=True, backend=backend)
-    monkeypatch.setitem(compiling._LAYER_COMPILERS, False, compiler)
+    monkeypatch.setitem(compiling._LAYER_COMPILERS, (False, 1.0), compiler)
     ids = torch.tensor([[5, 9, 11, 4, 7], [3, 3, 8, 20, 1]])
     eager, compiled = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) for _ in range(2))
     compiling.compile_decoder_layers(decoder_layers(compiled))
@@ -354,3 +354,47 @@ def test_auto_compiles_the_layers_for_fsdp2_on_a_gpu_only(tmp_path):
         assert load_config(tmp_path / "c.yaml", [f"train.compile_layers={value}"]).train.compile_layers == want
     with pytest.raises(ConfigError, match="compile_layers"):
         load_config(tmp_path / "c.yaml", ["train.compile_layers=sometimes"])
+
+
+def _saved_bytes_and_grads(layer, x, **kwargs):
+    """Bytes the layer's forward saves for backward (every tensor autograd keeps, counted as it is saved),
+    the output, and the input's and parameters' gradients."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        out = layer(x, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    (out * out).sum().backward()
+    return sum(saved), out.detach(), [x.grad] + [p.grad.clone() for p in layer.parameters()]
+
+
+def test_an_activation_memory_budget_saves_fewer_activations_and_gives_the_same_gradients(monkeypatch, model_dir):
+    """train.activation_memory_budget: the layer graph compiled at budget 0 saves less for backward than at 1
+    (the partitioner recomputes in backward what it no longer keeps), with the same output and gradients.
+    AOTAutograd's own partitioner with eager kernels (aot_eager_decomp_partition): the budget is a
+    partitioner setting, the same one Inductor's compile uses."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    layer = decoder_layers(model)[0]
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(2, 9, model.config.hidden_size, generator=g)
+    position_ids = torch.arange(9).expand(2, 9)
+    rope = model.model.rotary_emb(x0, position_ids)
+    kwargs = dict(position_embeddings=rope, position_ids=position_ids, use_cache=False)
+    results = {}
+    for budget in (1.0, 0.0):
+        torch._dynamo.reset()
+        settings = {"activation_memory_budget": budget} if budget < 1 else {}
+        compiler = compiling.new_layer_compiler(backend="aot_eager_decomp_partition", functorch_settings=settings)
+        monkeypatch.setitem(compiling._LAYER_COMPILERS, (False, 1.0), compiler)
+        compiling.compile_decoder_layers([layer])
+        layer.zero_grad(set_to_none=True)
+        results[budget] = _saved_bytes_and_grads(layer, x0.clone().requires_grad_(True), **kwargs)
+        assert not compiler.failed
+    import torch._functorch.config as functorch_config
+    assert functorch_config.activation_memory_budget == 1.0  # set for the compile only
+    full, none = results[1.0], results[0.0]
+    hidden_bytes = x0.numel() * x0.element_size()
+    assert none[0] < full[0] and full[0] >= 4 * hidden_bytes, (none[0], full[0])
+    torch.testing.assert_close(none[1], full[1], atol=0, rtol=0)
+    for got, want in zip(none[2], full[2]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

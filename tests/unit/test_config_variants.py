@@ -50,6 +50,9 @@ def settings(*overrides: str) -> Config:
      "train.compile_layers is set but train.strategy='deepspeed'; it applies only to train.strategy in ('fsdp2',)"),
     (("train.strategy=deepspeed", "train.optimizer_offload=true"),
      "train.optimizer_offload is set but train.strategy='deepspeed'; it applies only to train.strategy in ('fsdp2',)"),
+    (("train.compile_layers=false", "train.activation_memory_budget=0.5"),
+     "train.activation_memory_budget is set but train.compile_layers=False; it applies only to "
+     "train.compile_layers in ('auto', True)"),
     ("model.lora_alpha=32", "model.lora_alpha is set but model.lora_rank=0; it applies only when model.lora_rank is set"),
     ("reward.sources=[{name: a, type: rule, fn: arith, address: 'tcp://127.0.0.1:5555'}]",
      "reward.sources[0].address is set but reward.sources[0].type='rule'; it applies only to "
@@ -68,6 +71,7 @@ def test_item4_a_key_of_an_unselected_variant_is_an_error(override, message):
     ("teacher.type=streamrft", "teacher.address=tcp://127.0.0.1:1", "teacher.mode=hybrid", "teacher.weight=0.5"),
     ("algorithm.kl_coef=0.1", "algorithm.kl_estimator=k1", "algorithm.kl_ctl_type=adaptive", "algorithm.kl_target=3"),
     ("engine.type=vllm", "engine.tensor_parallel_size=1", "engine.max_model_len=64"),
+    ("train.compile_layers=true", "train.activation_memory_budget=0.5"),
 ])
 def test_item4_keys_of_the_selected_variant_are_accepted(overrides):
     validate_config(settings(*overrides), world_size=1, check_paths=False)
@@ -173,3 +177,14 @@ def test_item4_vllm_in_process_without_the_package_says_how_to_install_it(files,
                                "install the extra (pip install 'streamrft[vllm]', see docs/engines.md) or set "
                                "engine.address to a running vLLM server")
     validate_config(settings(*files, "engine.type=vllm", "engine.address=http://127.0.0.1:8000"), world_size=1)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="auto compiles the layers on a GPU")
+def test_an_activation_memory_budget_where_auto_leaves_the_layers_eager_is_refused():
+    # on this CPU-only machine train.compile_layers=auto runs the layers eagerly: the budget would do nothing
+    with pytest.raises(ConfigError, match=r"train.activation_memory_budget=0.3 applies to the compiled decoder "
+                                          r"layers, and train.compile_layers=auto compiles them on a GPU only"):
+        validate_config(settings("train.activation_memory_budget=0.3"), world_size=1, check_paths=False)
+    with pytest.raises(ConfigError, match=r"train.activation_memory_budget=-0.1 must be in \[0, 1\]"):
+        validate_config(settings("train.compile_layers=true", "train.activation_memory_budget=-0.1"), world_size=1,
+                        check_paths=False)
