@@ -32,6 +32,12 @@ class TrainConfig(Section):
     # first step pays the compile, cached by compile_cache_dir), off on CPU (Inductor's C++ compile costs more than it
     # saves at CPU sizes); true compiles on CPU too
     compile_layers: Union[Literal["auto"], bool] = "auto"
+    # fsdp2: false keeps each layer's gathered compute-dtype weights from its first forward of an optimizer step to
+    # that step's last backward (gathered once per step, not twice per microbatch: the per-layer copies and their
+    # host-side launches go), at the cost of the whole model's compute-dtype weights on every rank during training
+    # (0.5B: 1 GiB, 7B: 15 GiB). auto = false on one rank (there is nothing to shard: the gather is only a cast
+    # copy), true on several
+    reshard_after_forward: Union[Literal["auto"], bool] = "auto"
     # compiled decoder layers only: the fraction (0..1) of the layer graph's backward activations kept; below 1,
     # torch.compile's partitioner recomputes the cheapest of the rest in backward (0 = layer inputs only, as
     # model.gradient_checkpointing). benchmarks/NOTES.md v12: peak memory against train time on the H200
@@ -48,6 +54,13 @@ class TrainConfig(Section):
 def compile_head_enabled(compile_head: bool, device_type: str) -> bool:
     """train.compile_head resolved for a learner on ``device_type``: the LM head compiles on CUDA only."""
     return compile_head and device_type == "cuda"
+
+
+def reshard_after_forward_enabled(cfg: TrainConfig, world_size: int) -> bool:
+    """train.reshard_after_forward resolved for a learner of ``world_size`` ranks."""
+    if cfg.reshard_after_forward == "auto":
+        return world_size > 1
+    return bool(cfg.reshard_after_forward)
 
 
 def compile_layers_enabled(cfg: TrainConfig, device_type: str) -> bool:

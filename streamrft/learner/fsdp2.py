@@ -12,6 +12,13 @@ gradient divide factor to 1 so its reduction is a plain sum. Microbatch gradient
 by the number of microbatches). Every rank must call forward_backward the same number of times per step
 (pad with ``microbatch.padding_microbatch`` when a rank has fewer), because each backward reduces.
 
+Gathered weights (``train.reshard_after_forward``): by default on several ranks each unit frees its gathered
+compute-dtype weights after its forward and gathers them again for its backward, in every microbatch. With
+false (the default on one rank, where a "gather" is only a cast copy of each weight, two kernels per weight
+per gather), the units keep them from their first forward until ``release_gathered_weights`` (the optimizer
+step, a save, a load, an offload, the engine's copy): one gather per unit per optimizer step. While they are
+kept, ``module.parameters()`` are the gathered tensors (no ``.grad``); the sharded ones hold the gradients.
+
 Log-probs are computed by a forward method registered with FSDP (``register_fsdp_forward_method``), so the
 root group is gathered around the chunked LM-head computation of ``logprobs.py``.
 """
@@ -30,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from streamrft.config.train import compile_layers_enabled
+from streamrft.config.train import compile_layers_enabled, reshard_after_forward_enabled
 from streamrft.learner.base import LossFn
 from streamrft.learner.compiling import compile_decoder_layers
 from streamrft.learner.memory import bucketed, move_module_and_optimizer
@@ -99,12 +106,15 @@ def media_encoder_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dtype | None,
                 compile_head: bool = False, head_kernel: str = "fused", compile_layers: bool = False,
-                deterministic: bool = False, activation_memory_budget: float = 1.0) -> torch.nn.Module:
+                deterministic: bool = False, activation_memory_budget: float = 1.0,
+                reshard_after_forward: bool = True) -> torch.nn.Module:
     """fully_shard each vision block and the merger (VL models), each decoder layer, then the root; register
     the log-prob forward method. In place. ``compile_layers`` (train.compile_layers): the language decoder
-    layers' forwards run compiled (learner/compiling.py), FSDP2's hooks around them stay eager."""
+    layers' forwards run compiled (learner/compiling.py), FSDP2's hooks around them stay eager.
+    ``reshard_after_forward=False``: the units keep their gathered weights after forward and backward
+    (``FSDP2Strategy`` reshards them at the optimizer step)."""
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
-    kwargs = {"mesh": mesh, "reshard_after_forward": True}
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if compute_dtype is not None and compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if compile_layers:
@@ -112,6 +122,9 @@ def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dty
     for unit in media_encoder_units(model) + decoder_layers(model):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    if not reshard_after_forward:
+        for m in fsdp_modules(model):
+            m.set_reshard_after_backward(False)
     model.__dict__[LOGPROB_METHOD] = types.MethodType(_logprob_method, model)
     model.__dict__[COMPILE_HEAD_FLAG] = compile_head
     model.__dict__[HEAD_KERNEL_FLAG] = head_kernel
@@ -218,9 +231,12 @@ class FSDP2Strategy:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         model.train()  # HF gradient checkpointing is active only in train mode
+        # train.reshard_after_forward=false: weights gathered once per optimizer step (release_gathered_weights)
+        self.reshard_after_forward = reshard_after_forward_enabled(train_cfg, dist.world_size)
         self.module = shard_model(model, dist, self.compute_dtype, train_cfg.compile_head, train_cfg.head_kernel,
                                   compile_layers_enabled(train_cfg, dist.device.type),
-                                  train_cfg.deterministic, train_cfg.activation_memory_budget).to(self.device)
+                                  train_cfg.deterministic, train_cfg.activation_memory_budget,
+                                  self.reshard_after_forward).to(self.device)
         for m in fsdp_modules(self.module):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
@@ -257,6 +273,7 @@ class FSDP2Strategy:
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of all trainable gradients (a plain tensor, the same on every rank)."""
+        self.release_gathered_weights()  # gathered parameters have no .grad: the sharded ones hold it
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if not grads:
             return torch.zeros((), device=self.device)
@@ -268,6 +285,7 @@ class FSDP2Strategy:
 
         A non-finite grad norm skips the AdamW update (the schedule still advances); the caller sees it
         in the returned grad_norm and decides whether to stop."""
+        self.release_gathered_weights()  # the gathered weights are about to go stale
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = self.grad_norm()
         if self.train_cfg.grad_clip > 0 and params:
@@ -279,6 +297,15 @@ class FSDP2Strategy:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr}
+
+    def release_gathered_weights(self) -> None:
+        """Free the weights that train.reshard_after_forward=false kept gathered since the last optimizer step
+        (a no-op for units already resharded), so that ``module.parameters()`` are the sharded parameters again,
+        which hold the gradients. Before anything that changes or reads the sharded weights or their gradients:
+        the optimizer step, the grad norm, a load, a save, moving them between devices, the engine's copy."""
+        if not self.reshard_after_forward and not self._rollout_mode:
+            for m in fsdp_modules(self.module):
+                m.reshard()
 
     # ---- colocated rollout ---------------------------------------------------------------------------
     def unshard_for_rollout(self) -> None:
@@ -294,12 +321,13 @@ class FSDP2Strategy:
     def reshard_after_rollout(self) -> None:
         for m in fsdp_modules(self.module):
             m.reshard()
-            m.set_reshard_after_forward(True)
+            m.set_reshard_after_forward(self.reshard_after_forward)
         self._rollout_mode = False
 
     # ---- memory --------------------------------------------------------------------------------------
     def offload(self) -> None:
         """Move sharded params and optimizer state to CPU (a no-op when training on CPU)."""
+        self.release_gathered_weights()
         self._move_to(torch.device("cpu"))
 
     def reload(self) -> None:
@@ -317,6 +345,7 @@ class FSDP2Strategy:
         """
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+        self.release_gathered_weights()
         named = ((n, v.full_tensor() if isinstance(v, DTensor) else v) for n, v in self.module.state_dict().items())
         if self.model_cfg.lora_rank > 0:
             from streamrft.learner.lora import lora_scaling, merge_lora_named_tensors
@@ -328,6 +357,7 @@ class FSDP2Strategy:
     # ---- checkpoints ---------------------------------------------------------------------------------
     def state_for_save(self) -> dict:
         """What ``save`` writes (views of the live state; checkpoint/staging.py copies it for async saves)."""
+        self.release_gathered_weights()
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
 
@@ -339,6 +369,7 @@ class FSDP2Strategy:
         """Restore what ``save`` wrote (all ranks call, same world size or resharded by DCP)."""
         if not os.path.isdir(path):
             raise ValueError(f"checkpoint path {path!r} (rank {self.rank}) does not exist; check checkpoint.resume")
+        self.release_gathered_weights()
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
         from streamrft.checkpoint.safe_load import safe_load_kwargs

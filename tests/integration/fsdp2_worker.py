@@ -1,4 +1,7 @@
-"""Worker for test_fsdp2_torchrun.py, run under torchrun: python fsdp2_worker.py MODEL_DIR OUT_DIR.
+"""Worker for test_fsdp2_torchrun.py, run under torchrun: python fsdp2_worker.py MODEL_DIR OUT_DIR [RESHARD].
+
+RESHARD: train.reshard_after_forward (auto | true | false); result files of a setting other than auto carry
+it in their names.
 
 1. equivalence: the global batch is split round-robin over ranks; each rank's loss is normalised by the
    global token count; writes the summed loss, the grad norm and the updated full weights (rank 0).
@@ -23,8 +26,8 @@ from streamrft.runtime.distributed import (CollectiveError, all_reduce_max, all_
 T = 0.8
 
 
-def configs(path):
-    t = dict(lr=1e-2, lr_schedule="constant", warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.01,
+def configs(path, reshard="auto"):
+    t = dict(reshard_after_forward={"auto": "auto", "true": True, "false": False}[reshard], lr=1e-2, lr_schedule="constant", warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.01,
              adam_betas=[0.9, 0.999], adam_eps=1e-8, grad_clip=0.05, strategy="fsdp2")
     m = dict(path=path, dtype="float32", attn_implementation="sdpa", gradient_checkpointing=False,
              freeze_prefix=[], reference_path="")
@@ -44,10 +47,11 @@ def global_batch():
                            {"adv": torch.randn(r, generator=g)}) for p, r in lens]
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def main(model_dir: str, out_dir: str, reshard: str = "auto") -> None:
     dist = init_distributed(timeout_s=60)
     rank, world = dist.rank, dist.world_size
-    mcfg, tcfg = configs(model_dir)
+    mcfg, tcfg = configs(model_dir, reshard)
+    tag = f"world{world}" if reshard == "auto" else f"world{world}_reshard_{reshard}"
     strat = FSDP2Strategy(mcfg, tcfg, dist, total_steps=10)
 
     # 1. equivalence
@@ -66,8 +70,8 @@ def main(model_dir: str, out_dir: str) -> None:
     out = strat.step()
     weights = {n: t.clone() for bucket in strat.full_state_for_engine(1 << 16) for n, t in bucket}
     if rank == 0:
-        torch.save(weights, os.path.join(out_dir, f"weights_world{world}.pt"))
-        with open(os.path.join(out_dir, f"result_world{world}.json"), "w") as f:
+        torch.save(weights, os.path.join(out_dir, f"weights_{tag}.pt"))
+        with open(os.path.join(out_dir, f"result_{tag}.json"), "w") as f:
             json.dump({"loss": loss, "grad_norm": out["grad_norm"], "n_microbatches": n_mb}, f)
 
     # 2. rollout: different numbers of forwards per rank, no collectives
@@ -80,11 +84,11 @@ def main(model_dir: str, out_dir: str) -> None:
     strat.reshard_after_rollout()
     strat.forward_backward(mbs[0], loss_fn, T)
     after = strat.step()
-    with open(os.path.join(out_dir, f"rollout_world{world}_rank{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"rollout_{tag}_rank{rank}.json"), "w") as f:
         json.dump({"n_forwards": n_forwards, "grad_norm": after["grad_norm"]}, f)
 
     # 3. a skipped barrier ends in an error naming the stage and the rank
-    if world > 1:
+    if world > 1 and reshard == "auto":
         barrier("before_timeout_check", timeout_s=30)
         if rank == 1:
             time.sleep(4.0)  # outlive rank 0's timeout, then leave without joining
@@ -101,4 +105,4 @@ def main(model_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

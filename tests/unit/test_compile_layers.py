@@ -258,6 +258,7 @@ def test_a_vision_language_model_compiles_only_its_language_layers(monkeypatch, 
         strat = FSDP2Strategy(ModelConfig(path=path), tcfg, dist, 2)
         before = _graphs()
         losses.append(strat.forward_backward(mb, lambda mb, lp, ent: (-(lp * mb["adv"]).sum(), {}), 1.0)["loss"])
+        strat.release_gathered_weights()
         grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
                       for n, p in strat.module.named_parameters() if p.grad is not None})
     assert [compiling.is_compiled_layer(m) for m in decoder_layers(strat.module)] == [True, True]

@@ -73,6 +73,7 @@ def test_forward_backward_and_step_match_an_unwrapped_model_and_report_its_grad_
         loss.backward()
         ref_loss += float(loss.detach())
     ref_grads = dict(ref.named_parameters())
+    strat.release_gathered_weights()  # at world size 1 the weights stay gathered until the step (no .grad on them)
     for name, p in strat.module.named_parameters():
         torch.testing.assert_close(_full(p.grad), ref_grads[name].grad, atol=1e-7, rtol=1e-5)
     out = strat.step()
@@ -178,6 +179,7 @@ def test_gradient_checkpointing_gives_the_same_grads_and_frozen_prefixes_stay_fi
         assert frozen and not any(p.requires_grad for n, p in strat.module.named_parameters() if n in frozen)
         for mb in mbs:
             strat.forward_backward(mb, _loss_fn(20.0), T)
+        strat.release_gathered_weights()
         grads.append({n: _full(p.grad).clone() for n, p in strat.module.named_parameters() if p.grad is not None})
         strat.step()
         for n, p in strat.module.named_parameters():
@@ -202,6 +204,7 @@ def test_a_padding_microbatch_backpropagates_a_zero_through_every_weight(dist, m
 
     out = strategy.forward_backward(mb, loss_fn, temperature=1.0, with_entropy=True)
     assert out["loss"] == 0.0
+    strategy.release_gathered_weights()
     grads = [p.grad for p in strategy.module.parameters() if p.requires_grad]
     assert grads and all(g is not None for g in grads)
     assert all(float(g.full_tensor().abs().sum() if hasattr(g, "full_tensor") else g.abs().sum()) == 0.0 for g in grads)
@@ -217,6 +220,7 @@ def test_stats_on_device_are_the_float_stats_as_detached_tensors(dist, model_dir
         torch.manual_seed(0)
         strat = FSDP2Strategy(*configs(model_dir), dist, total_steps=1)
         stats = [strat.forward_backward(mb, _loss_fn(n_tokens), T, stats_on_device=on_device) for mb in mbs]
+        strat.release_gathered_weights()
         grads = {n: _full(p.grad).clone() for n, p in strat.module.named_parameters() if p.grad is not None}
         return stats, grads
 
@@ -250,6 +254,7 @@ def test_frozen_lora_base_is_stored_in_the_compute_dtype_and_trains_bitwise_like
         torch.manual_seed(0)
         strat = FSDP2Strategy(mcfg, tcfg, dist, total_steps=1)
         losses = [strat.forward_backward(mb, _loss_fn(n_tokens), T)["loss"] for mb in mbs]
+        strat.release_gathered_weights()
         params = dict(strat.module.named_parameters())
         grads = {n: _full(p.grad).clone() for n, p in params.items() if p.grad is not None}
         strat.step()
