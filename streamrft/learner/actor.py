@@ -212,11 +212,11 @@ class ActorUpdate:
             for mini in _split(mbs, self.cfg.train.mini_batches_per_step):
                 mini_tokens = self._global(sum(float(mb["response_mask"].sum()) for mb in mini))
                 mini_seqs = self._global(sum(n_sequences(mb) for mb in mini))
-                for mb in mini:
+                for i, mb in enumerate(mini):
                     # stats stay on the device: no host sync between microbatches (read once, below)
                     stats = self.strategy.forward_backward(
                         mb, self._loss_fn(mini_tokens, mini_seqs, record=mb), self.temperature, with_entropy=True,
-                        stats_on_device=True,
+                        stats_on_device=True, last_before_step=i == len(mini) - 1,
                     )
                     for k, v in stats.items():  # float64 sums: the same numbers as summing Python floats
                         totals[k] = totals.get(k, 0.0) + (v.double() if isinstance(v, torch.Tensor) else v)

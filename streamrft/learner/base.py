@@ -17,9 +17,12 @@ class Strategy(Protocol):
     device: torch.device
 
     def forward_backward(self, microbatch: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
-                         with_entropy: bool = False, stats_on_device: bool = False) -> dict[str, float]:
+                         with_entropy: bool = False, stats_on_device: bool = False,
+                         last_before_step: bool = True) -> dict[str, float]:
         """Accumulate gradients of one microbatch; its loss and metrics as floats, or with ``stats_on_device`` as
-        detached device tensors the caller reads once per step (no host sync between microbatches)."""
+        detached device tensors the caller reads once per step (no host sync between microbatches).
+        ``last_before_step=False``: more microbatches follow before ``step()`` (a strategy may then defer
+        reducing the gradients; the call before ``step()`` must pass True)."""
         ...
 
     def step(self) -> dict[str, float]:

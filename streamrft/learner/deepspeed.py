@@ -154,8 +154,10 @@ class DeepSpeedStrategy:
         return self._logprobs(mb, temperature, with_entropy)
 
     def forward_backward(self, mb: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
-                         with_entropy: bool = False, stats_on_device: bool = False) -> dict[str, float]:
-        """Accumulate d(loss)/dθ for one microbatch, summed over ranks (see the module docstring)."""
+                         with_entropy: bool = False, stats_on_device: bool = False,
+                         last_before_step: bool = True) -> dict[str, float]:
+        """Accumulate d(loss)/dθ for one microbatch, summed over ranks (see the module docstring).
+        ``last_before_step`` is not needed here: DeepSpeed's engine keeps its own accumulation boundary."""
         mb = move_batch(mb, self.device)
         logp_BL, entropy_BL = self._logprobs(mb, temperature, with_entropy)
         loss, metrics = loss_fn(mb, logp_BL, entropy_BL)

@@ -19,6 +19,11 @@ per gather), the units keep them from their first forward until ``release_gather
 step, a save, a load, an offload, the engine's copy): one gather per unit per optimizer step. While they are
 kept, ``module.parameters()`` are the gathered tensors (no ``.grad``); the sharded ones hold the gradients.
 
+Gradient reduction: on several ranks every backward reduces (reduce-scatter, summed). On one rank the caller's
+``last_before_step=False`` (the actor passes it for all but the last microbatch of a step) defers it: FSDP2 adds
+each microbatch's gradients to per-unit float32 accumulators (the same additions, in the same order, as adding
+them to the sharded gradients) and the last microbatch's backward reduces once.
+
 Log-probs are computed by a forward method registered with FSDP (``register_fsdp_forward_method``), so the
 root group is gathered around the chunked LM-head computation of ``logprobs.py``.
 """
@@ -243,6 +248,12 @@ class FSDP2Strategy:
         self.optimizer = build_optimizer(self.module.parameters(), train_cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, train_cfg, total_steps)
         self._rollout_mode = False
+        # One rank: a microbatch's gradients are added to the previous ones' float32 accumulators in place of
+        # the sharded gradients (the same bytes when nothing is sharded), and reduced once, by the last
+        # microbatch before the step: no per-layer reduce in every microbatch. Several ranks: the unsharded
+        # accumulators would cost world_size times the sharded gradients' memory, so every backward reduces.
+        self.defer_grad_reduce = dist.world_size == 1
+        self._unreduced_grads = False  # a forward_backward(last_before_step=False) not yet followed by True
 
     # ---- compute -------------------------------------------------------------------------------------
     def _logprobs(self, mb, temperature: float, with_entropy: bool):
@@ -256,13 +267,18 @@ class FSDP2Strategy:
         return self._logprobs(mb, temperature, with_entropy)
 
     def forward_backward(self, mb: dict[str, torch.Tensor], loss_fn: LossFn, temperature: float,
-                         with_entropy: bool = False, stats_on_device: bool = False) -> dict[str, float]:
+                         with_entropy: bool = False, stats_on_device: bool = False,
+                         last_before_step: bool = True) -> dict[str, float]:
         """Accumulate d(loss)/dθ for one microbatch; ``loss_fn(mb, logp_BL, entropy_BL) -> (loss, metrics)``.
 
         ``loss`` must already be normalised by global counts; gradients are summed over ranks and
         microbatches. Returns {"loss": ..., **metrics} as floats (``stats_on_device``: detached tensors, see
-        ``stats_out``).
+        ``stats_out``). ``last_before_step=False`` on one rank: the gradients stay in the units' float32
+        accumulators and are reduced into the sharded parameters by the next call with True (module docstring).
         """
+        if self.defer_grad_reduce:
+            self.module.set_requires_gradient_sync(last_before_step)
+            self._unreduced_grads = not last_before_step
         mb = move_batch(mb, self.device)
         logp_BL, entropy_BL = self._logprobs(mb, temperature, with_entropy)
         loss, metrics = loss_fn(mb, logp_BL, entropy_BL)
@@ -273,6 +289,7 @@ class FSDP2Strategy:
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of all trainable gradients (a plain tensor, the same on every rank)."""
+        self._check_reduced()
         self.release_gathered_weights()  # gathered parameters have no .grad: the sharded ones hold it
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if not grads:
@@ -285,6 +302,7 @@ class FSDP2Strategy:
 
         A non-finite grad norm skips the AdamW update (the schedule still advances); the caller sees it
         in the returned grad_norm and decides whether to stop."""
+        self._check_reduced()
         self.release_gathered_weights()  # the gathered weights are about to go stale
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = self.grad_norm()
@@ -297,6 +315,12 @@ class FSDP2Strategy:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr}
+
+    def _check_reduced(self) -> None:
+        if self._unreduced_grads:
+            raise RuntimeError(f"rank {self.rank}: the last forward_backward before the optimizer step passed "
+                               "last_before_step=False, so its gradients were never reduced into the parameters; "
+                               "pass last_before_step=True for the last microbatch of each step")
 
     def release_gathered_weights(self) -> None:
         """Free the weights that train.reshard_after_forward=false kept gathered since the last optimizer step

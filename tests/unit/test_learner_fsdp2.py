@@ -1,6 +1,7 @@
 """FSDP2Strategy at world size 1, in process, against an unwrapped copy of the same model."""
 
 import math
+import msgspec
 import types
 
 import pytest
@@ -273,3 +274,53 @@ def test_frozen_lora_base_is_stored_in_the_compute_dtype_and_trains_bitwise_like
     assert grads.keys() == want_grads.keys() == adapters.keys()
     assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
     assert all(torch.equal(adapters[n], want_adapters[n]) for n in adapters)
+
+
+def _step_counting_reduces(strat, mbs, n_tokens, defer: bool):
+    """Microbatches then the optimizer step; the FSDP2 reduces they ran, the gradients and the new weights."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i, mb in enumerate(mbs):
+            strat.forward_backward(mb, _loss_fn(n_tokens), T, last_before_step=not defer or i == len(mbs) - 1)
+    reduces = sum(1 for e in prof.events() if e.name.startswith("FSDP::post_backward_reduce"))
+    strat.release_gathered_weights()
+    grads = {n: _full(p.grad).clone() for n, p in strat.module.named_parameters() if p.grad is not None}
+    out = strat.step()
+    weights = {k: _full(v).clone() for k, v in strat.module.state_dict().items()}
+    return reduces, grads, out["grad_norm"], weights
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_rank_defers_the_gradient_reduce_to_the_last_microbatch_with_the_same_sums(dist, model_dir, dtype):
+    """last_before_step=False on one rank: FSDP2 keeps the gradients in its float32 accumulators and reduces
+    once per unit (3 units: 2 layers and the root) instead of once per unit per microbatch; the gradients,
+    grad norm and updated weights are the ones of reducing every microbatch (the same float32 additions in the
+    same order, bf16 compute included)."""
+    mcfg, tcfg = configs(model_dir)
+    mcfg = msgspec.structs.replace(mcfg, dtype=dtype)
+    mbs = _microbatches()
+    n_tokens = float(sum(mb["response_mask"].sum() for mb in mbs))
+    results = {}
+    for defer in (False, True):
+        torch.manual_seed(0)
+        results[defer] = _step_counting_reduces(FSDP2Strategy(mcfg, tcfg, dist, total_steps=10), mbs, n_tokens, defer)
+    assert len(mbs) > 1 and results[False][0] == 3 * len(mbs) and results[True][0] == 3
+    (_, grads_each, norm_each, weights_each), (_, grads_once, norm_once, weights_once) = results[False], results[True]
+    assert grads_once.keys() == grads_each.keys() and len(grads_once) > 0
+    for name in grads_each:
+        torch.testing.assert_close(grads_once[name], grads_each[name], atol=0, rtol=0, msg=lambda m: name + m)
+    assert norm_once == norm_each
+    for name in weights_each:
+        torch.testing.assert_close(weights_once[name], weights_each[name], atol=0, rtol=0, msg=lambda m: name + m)
+
+
+def test_a_step_after_an_unreduced_microbatch_is_an_error_naming_the_rank(dist, model_dir):
+    strat = FSDP2Strategy(*configs(model_dir), dist, total_steps=10)
+    mb = _microbatches()[0]
+    strat.forward_backward(mb, _loss_fn(10.0), T, last_before_step=False)
+    with pytest.raises(RuntimeError, match=r"rank 0: the last forward_backward before the optimizer step passed "
+                                           r"last_before_step=False"):
+        strat.step()
+    strat.forward_backward(mb, _loss_fn(10.0), T)  # the accumulation can still be completed
+    assert strat.step()["grad_norm"] > 0
