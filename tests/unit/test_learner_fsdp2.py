@@ -291,13 +291,14 @@ def _step_counting_reduces(strat, mbs, n_tokens, defer: bool):
     return reduces, grads, out["grad_norm"], weights
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_one_rank_defers_the_gradient_reduce_to_the_last_microbatch_with_the_same_sums(dist, model_dir, dtype):
+@pytest.mark.parametrize("dtype, reshard", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", True)])
+def test_one_rank_defers_the_gradient_reduce_to_the_last_microbatch_with_the_same_sums(dist, model_dir, dtype,
+                                                                                       reshard):
     """last_before_step=False on one rank: FSDP2 keeps the gradients in its float32 accumulators and reduces
     once per unit (3 units: 2 layers and the root) instead of once per unit per microbatch; the gradients,
     grad norm and updated weights are the ones of reducing every microbatch (the same float32 additions in the
     same order, bf16 compute included)."""
-    mcfg, tcfg = configs(model_dir)
+    mcfg, tcfg = configs(model_dir, reshard_after_forward=reshard)  # auto: kept gathered on one rank
     mcfg = msgspec.structs.replace(mcfg, dtype=dtype)
     mbs = _microbatches()
     n_tokens = float(sum(mb["response_mask"].sum() for mb in mbs))
