@@ -41,6 +41,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -288,6 +289,7 @@ def profile_tables(res: dict) -> str:
     p = res["profile"]
     unit = "GPU kernel" if res["device"] == "cuda" else "CPU op (self time)"
     steps, warm = (", ".join(f"{t:.3f}" for t in res[k]) for k in ("step_times", "warmup_times"))
+    syncs = res.get("sync_sites")
     lines = [
         f"[{res['size']} {res['variant']}] step {res['step_s']:.3f} s (steps {steps}; warm-up {warm} "
         f"({res['cache']} compile cache); profiled {res['profiled_step_s']:.3f} s), {res['tokens_per_s']:.0f} tok/s, "
@@ -323,6 +325,10 @@ def profile_tables(res: dict) -> str:
     for t in p["top"]:
         lines.append(f"  {t['calls']:6d} {t['total_ms']:9.2f} {t['mean_us']:9.1f} {t['category']:12} "
                      f"{_short(t['name'], 100)}")
+    if syncs is not None:
+        lines.append(f"  host waits for the GPU in one more step (torch.cuda sync debug mode): "
+                     f"{sum(n for _, n in syncs)} at {len(syncs)} lines" + (":" if syncs else ""))
+        lines += [f"  {n:6d}  {site}" for site, n in syncs]
     return "\n".join(lines)
 
 
@@ -542,6 +548,11 @@ def run_worker(size: str, wl: dict, out: Path, variant: str, overrides: list[str
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
     }
+    if cuda:  # one more step, unprofiled: where it makes the host wait for the GPU
+        try:
+            res["sync_sites"] = sync_sites(lambda: actor.train_step(batch))
+        except Exception as exc:  # noqa: BLE001 - the timings stand; the table says the sites are missing
+            res["sync_sites"] = [[f"not found ({type(exc).__name__}: {exc})", 0]]
     t = time.perf_counter()
     try:  # a failed breakdown keeps the timings above (the variant still counts as failed: exit 1)
         events = profile_events(prof, out)
@@ -560,6 +571,30 @@ def run_worker(size: str, wl: dict, out: Path, variant: str, overrides: list[str
         res["error"] = f"profile breakdown: {type(exc).__name__}: {exc}"
     res["analyze_s"] = time.perf_counter() - t
     return res
+
+
+def sync_sites(step: Callable[[], object], top: int = 15) -> list[list]:
+    """Where ``step`` makes the host wait for the GPU (``.item()``, a device-to-host copy, ``nonzero``...): run
+    under ``torch.cuda.set_sync_debug_mode("warn")``, each warning counted at the Python line that caused it.
+    [[file:line, count], ...], most first; a sync inside the step's loop over microbatches drains the GPU's
+    queue once per microbatch, so the host can no longer run ahead of it."""
+    import warnings
+
+    import torch
+
+    counts: collections.Counter = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            counts[f"{w.filename.split('site-packages/')[-1]}:{w.lineno}"] += 1
+    return [[site, n] for site, n in counts.most_common(top)]
 
 
 def profile_events(prof, scratch: Path) -> list[dict]:
