@@ -283,12 +283,25 @@ def causal_only(mask: torch.Tensor) -> bool:
 
 
 def text_mask_and_positions(model: torch.nn.Module, mask: torch.Tensor, position_ids: torch.Tensor) -> dict:
-    """attention_mask and position_ids for a text-only forward: both None where ``causal_only`` (transformers
-    then numbers positions 0..L-1, the same as ours on real tokens, and does not read padded position ids as
-    packed-sequence starts); else ``attention_mask_for``'s mask and the microbatch's positions."""
+    """attention_mask and position_ids for a text-only forward: no mask and no positions where ``causal_only``
+    (transformers then numbers positions 0..L-1, the same as ours on real tokens, and does not read padded
+    position ids as packed-sequence starts); else ``attention_mask_for``'s mask and the microbatch's positions."""
     if causal_only(mask):
-        return {"attention_mask": None, "position_ids": None}
+        return {"attention_mask": no_mask(model), "position_ids": None}
     return {"attention_mask": attention_mask_for(model, mask), "position_ids": position_ids}
+
+
+def no_mask(model: torch.nn.Module) -> dict | None:
+    """The attention_mask argument of a causal forward with no mask at all. For a model whose layers are all
+    full attention, the per-layer-type mapping transformers would build itself ({"full_attention": None}):
+    handed over ready, it skips building it, where transformers checks its own position ids for packed
+    sequences with ``.all()`` on the GPU, a host sync in every forward (one per microbatch on the H200's
+    profiled step) that drains the queue the host had run ahead on. Other models (sliding-window layers):
+    None, and transformers builds their masks."""
+    layer_types = getattr(getattr(model, "config", None), "layer_types", None)
+    if layer_types and all(t == "full_attention" for t in layer_types):
+        return {"full_attention": None}
+    return None
 
 
 def attention_mask_for(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor | None:

@@ -79,10 +79,19 @@ def test_a_right_padded_microbatch_without_its_padding_mask_gives_the_same_logpr
     def run(drop: bool):
         monkeypatch.setattr(lp, "causal_only", lambda mask: drop and mask.dim() == 2)
         model = _tiny_model()
+        if drop:  # the mask mapping is handed over: transformers' packed-sequence check (a GPU sync) never runs
+            import transformers.masking_utils as masking
+
+            assert lp.no_mask(model) == {"full_attention": None}
+
+            def no_sync_here(*a, **k):
+                raise AssertionError("transformers built the mask (its packed-sequence check syncs on a GPU)")
+            monkeypatch.setattr(masking, "find_packed_sequence_indices", no_sync_here)
         logp, ent = token_logprobs(model, mb, T, with_entropy=True, chunk_size=4)
         ((logp * mb["adv"]).sum() + 0.1 * ent.sum()).backward()
         critic = ValueModel(_tiny_model(seed=3).model)
         values = critic(mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["response_mask"])
+        monkeypatch.undo()
         return logp.detach(), ent.detach(), {n: p.grad for n, p in model.named_parameters()}, values.detach()
 
     got, want = run(True), run(False)
@@ -96,6 +105,17 @@ def test_a_right_padded_microbatch_without_its_padding_mask_gives_the_same_logpr
     monkeypatch.setattr(lp, "causal_only", lambda mask: mask.dim() == 2)
     kw = lp.text_mask_and_positions(None, mb["attention_mask"], mb["position_ids"])
     assert kw == {"attention_mask": None, "position_ids": None}
+
+
+def test_a_model_with_sliding_window_layers_gets_its_masks_built_by_transformers():
+    from types import SimpleNamespace
+
+    from streamrft.learner.logprobs import no_mask
+
+    full, mixed = (SimpleNamespace(config=SimpleNamespace(layer_types=t))
+                   for t in (["full_attention"] * 3, ["full_attention", "sliding_attention"]))
+    assert no_mask(full) == {"full_attention": None}
+    assert no_mask(mixed) is None and no_mask(SimpleNamespace(config=SimpleNamespace())) is None
 
 
 def test_only_a_2d_mask_on_a_gpu_is_dropped():
