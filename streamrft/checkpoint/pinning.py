@@ -10,9 +10,9 @@ behind it: on the H200 the first switch back to rollout after the first train st
 A ``HostSlab`` is one page-aligned block of ordinary host memory, carved into one buffer per tensor. Its
 pages are first touched by a plain fill (no CUDA call, so no driver lock), then locked in place with
 cudaHostRegister one chunk of whole buffers at a time (~256 MiB, or one larger buffer): a CUDA call of
-another thread waits for one chunk at most. If the
-driver refuses (a locked-memory limit, a container without the capability), the slab stays ordinary
-memory: device-to-host copies are then synchronous and slower, still correct, and a warning says so.
+another thread waits for one chunk at most. If the driver refuses (a locked-memory limit, a container
+without the capability), the slab stays ordinary memory: device-to-host copies are then synchronous and
+slower, still correct, and a warning says so.
 """
 
 from __future__ import annotations

@@ -302,10 +302,8 @@ class FSDP2Strategy:
 
         A non-finite grad norm skips the AdamW update (the schedule still advances); the caller sees it
         in the returned grad_norm and decides whether to stop."""
-        self._check_reduced()
-        self.release_gathered_weights()  # the gathered weights are about to go stale
+        norm = self.grad_norm()  # first: it checks the gradients were reduced and frees the gathered weights
         params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = self.grad_norm()
         if self.train_cfg.grad_clip > 0 and params:
             torch.nn.utils.clip_grads_with_norm_(params, self.train_cfg.grad_clip, norm)
         lr = self.optimizer.param_groups[0]["lr"]
