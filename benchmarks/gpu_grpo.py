@@ -239,6 +239,8 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     stamps.wrap(hf_fast.StaticDecoder, "__init__", "decoder_init")
     stamps.wrap(hf_fast.StaticDecoder, "prefill", "prefill")
     stamps.wrap(hf_fast.StaticDecoder, "capture", "capture")
+    if cuda:  # who hands cached device memory back, and what it costs
+        stamps.wrap(torch.cuda, "empty_cache", "empty_cache", sync=False)
     run = compose.build_run(cfg, dist)
     final_save = wl.get("final_save", True)
     if not final_save:  # 7B: a full checkpoint (fp32 + Adam, ~85 GiB) would not fit the GPU machine's disk
