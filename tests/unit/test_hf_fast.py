@@ -196,3 +196,49 @@ def test_static_path_with_top_k_and_top_p_records_the_processed_distributions_lo
             processed = process_logits(logits[n - 1 + j: n + j], 0.8, 7, 0.8)[0]
             assert processed[tok] > float("-inf")  # drawn from the kept set
             assert s.logprobs[j] == pytest.approx(torch.log_softmax(processed, -1)[tok].item(), abs=1e-4)
+
+
+def test_row_slices_cover_the_batch_in_near_equal_contiguous_groups():
+    from streamrft.engines.hf_fast import row_slices
+
+    assert row_slices(5, 2) == [slice(0, 2), slice(2, 5)]
+    assert row_slices(6, 3) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert row_slices(2, 4) == [slice(0, 1), slice(1, 2)]  # no empty group
+    assert row_slices(7, 1) == [slice(0, 7)]
+    with pytest.raises(ValueError, match="engine.decode_streams=0 must be >= 1"):
+        row_slices(4, 0)
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_decode_row_groups_give_the_tokens_and_logprobs_of_one_group(groups):
+    """Rows never read each other's state, so splitting the step into row groups (each on its own stream on a
+    GPU, one after another here) changes nothing but the GEMMs' row count: same tokens and stop positions,
+    log-probs equal up to that rounding (a GEMM may block its sums differently for fewer rows)."""
+    model = _model()
+    reqs = _requests() + [GenerationRequest("d", [2, 9, 4, 4], seed=14), GenerationRequest("e", [8], seed=15)]
+
+    def run(n):
+        cfg = EngineConfig(max_new_tokens=6, static_cache=True, sync_every=2, decode_streams=n,
+                           stop_token_ids=[3])
+        engine = HFEngine(model, cfg, eos_token_ids=[0], pad_token_id=0, device=torch.device("cpu"))
+        return [(s.response_ids, s.logprobs, s.finish_reason) for s in asyncio.run(engine.generate_all(reqs))]
+
+    one, split = run(1), run(groups)
+    assert [(ids, why) for ids, _, why in split] == [(ids, why) for ids, _, why in one]
+    for (_, lp_split, _), (_, lp_one, _) in zip(split, one):
+        assert lp_split == pytest.approx(lp_one, abs=1e-5)
+    assert len({len(ids) for ids, _, _ in one}) > 1  # rows of different lengths (stops and per-request caps)
+
+
+def test_decode_streams_without_static_cache_is_a_config_error():
+    from streamrft.config import ConfigError, load_config, validate_config
+
+    cfg = load_config(None, ["engine.decode_streams=2"])
+    with pytest.raises(ConfigError, match="engine.decode_streams=2 needs engine.static_cache=true"):
+        validate_config(cfg, 1, check_paths=False)
+    cfg0 = load_config(None, ["engine.decode_streams=0", "engine.static_cache=true"])
+    with pytest.raises(ConfigError, match="engine.decode_streams=0 must be >= 1"):
+        validate_config(cfg0, 1, check_paths=False)
+    with pytest.raises(ValueError, match="engine.decode_streams=2 must be >= 1 and needs engine.static_cache"):
+        HFEngine(_model(), EngineConfig(decode_streams=2), eos_token_ids=[0], pad_token_id=0,
+                 device=torch.device("cpu"))
