@@ -12,8 +12,6 @@ fraction of it reached, and the ratio of each choice to the torch ops. ``--profi
 table of a few eager decode steps (torch.profiler) for the Triton choice.
 
     python benchmarks/decode_bench.py [--sizes 0.5b,1.5b] [--batch 512] [--prompt 256] [--new 512] [--profile]
-        [--decode-streams 1,2]   (engine.decode_streams: rows split into groups on their own CUDA streams;
-                                  the kernels column reads triton/2 for two)
 """
 
 from __future__ import annotations
@@ -59,13 +57,13 @@ def sync_time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure(model, kernels: str, prompts: list[list[int]], n_new: int, profile: bool, streams: int = 1) -> dict:
+def measure(model, kernels: str, prompts: list[list[int]], n_new: int, profile: bool) -> dict:
     dev = torch.device("cuda")
     ops = decode_kernels(kernels, dev)
     seeds = list(range(len(prompts)))
 
     def decoder(n):
-        return StaticDecoder(model, prompts, seeds, n, 0, [], 1.0, 0.0, 0, 1.0, dev, ops, row_groups=streams)
+        return StaticDecoder(model, prompts, seeds, n, 0, [], 1.0, 0.0, 0, 1.0, dev, ops)
 
     with torch.no_grad():
         warm = decoder(8)  # kernel compilation and cuBLAS heuristics stay out of the timings
@@ -95,7 +93,7 @@ def measure(model, kernels: str, prompts: list[list[int]], n_new: int, profile: 
         del dec, box
         torch.cuda.empty_cache()
     cfg = EngineConfig(max_new_tokens=n_new, static_cache=True, cuda_graphs=True, ignore_eos=True,
-                       max_batch_size=len(prompts), decode_kernels=kernels, decode_streams=streams)
+                       max_batch_size=len(prompts), decode_kernels=kernels)
     engine = HFEngine(model, cfg, eos_token_ids=[1], pad_token_id=0, device=dev)
     reqs = [GenerationRequest(f"r{i}", p, seed=i) for i, p in enumerate(prompts)]
     generate_s = sync_time(lambda: asyncio.run(engine.generate_all(reqs)))
@@ -152,8 +150,6 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--decode-streams", default="1",
-                    help="comma-separated engine.decode_streams values, each measured per kernel choice")
     ap.add_argument("--tune", action="store_true", help="time kernel launch settings first")
     a = ap.parse_args()
     if a.tune:
@@ -173,11 +169,10 @@ def main() -> None:
         lines.append(f"{'size':5} {'kernels':7} {'prefill_s':>9} {'capture_s':>9} {'decode_s':>8} {'ms/step':>7} "
                      f"{'generate_s':>10} {'peak_GiB':>8} {'decode%':>7} {'rollout%':>8} {'vs torch':>8}")
         base = None
-        for kernels, streams in [(k, int(n)) for k in a.kernels.split(",") for n in a.decode_streams.split(",")]:
-            r = measure(model, kernels, prompts, a.new, a.profile and kernels == "triton", streams)
+        for kernels in a.kernels.split(","):
+            r = measure(model, kernels, prompts, a.new, a.profile and kernels == "triton")
             base = base or r
-            name = kernels if streams == 1 else f"{kernels}/{streams}"
-            lines.append(f"{size:5} {name:7} {r['prefill_s']:9.3f} {r['capture_s']:9.3f} {r['decode_s']:8.3f} "
+            lines.append(f"{size:5} {kernels:7} {r['prefill_s']:9.3f} {r['capture_s']:9.3f} {r['decode_s']:8.3f} "
                          f"{r['ms_per_step']:7.2f} {r['generate_s']:10.3f} {r['peak_gib']:8.1f} "
                          f"{100 * dec_floor / r['decode_s']:7.1f} {100 * (pf + dec_floor) / r['generate_s']:8.1f} "
                          f"{base['generate_s'] / r['generate_s']:7.2f}x")

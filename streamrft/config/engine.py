@@ -20,7 +20,6 @@ class EngineConfig(Section):
     cuda_graphs: bool = False  # hf: replay each decode step from a CUDA graph; needs static_cache and CUDA
     sync_every: int = 16  # hf static_cache: decode steps between host checks for finished rows
     decode_kernels: Literal["auto", "torch", "triton"] = "auto"  # hf static_cache: fused decode ops; auto = Triton on CUDA when installed
-    decode_streams: int = 1  # hf static_cache: row groups per decode step, each on its own CUDA stream (attention beside GEMMs)
     sleep_level: int = 1  # 1 = free KV cache; 2 = also release weights (vllm / sglang)
     request_timeout_s: float = 600.0  # remote vllm / sglang: seconds one HTTP call may take
     tensor_parallel_size: int = 1  # vllm in process: GPUs per engine (one engine per tensor-parallel group)

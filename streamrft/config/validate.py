@@ -60,11 +60,6 @@ def validate_engine(cfg) -> None:
         raise ConfigError(f"engine.sleep_level={e.sleep_level} must be 1 (free the KV cache) or 2 (also release weights)")
     if e.sync_every < 1:
         raise ConfigError(f"engine.sync_every={e.sync_every} must be >= 1")
-    if e.decode_streams < 1:
-        raise ConfigError(f"engine.decode_streams={e.decode_streams} must be >= 1")
-    if e.decode_streams > 1 and not e.static_cache:
-        raise ConfigError(f"engine.decode_streams={e.decode_streams} needs engine.static_cache=true (it splits the "
-                          "static decode step's rows into groups)")
     if e.request_timeout_s <= 0:
         raise ConfigError(f"engine.request_timeout_s={e.request_timeout_s} must be > 0")
     if e.type == "vllm":

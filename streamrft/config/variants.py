@@ -37,7 +37,6 @@ VARIANT_KEYS: dict[str, tuple[str, tuple | str]] = {
     "engine.cuda_graphs": ("engine.type", _HF),
     "engine.sync_every": ("engine.type", _HF),
     "engine.decode_kernels": ("engine.type", _HF),
-    "engine.decode_streams": ("engine.type", _HF),
     "engine.first_token_temperature": ("engine.type", _HF),
     # engine: vLLM in process, vLLM / SGLang servers
     "engine.tensor_parallel_size": ("engine.type", _VLLM_IN_PROCESS),

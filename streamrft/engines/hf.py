@@ -66,9 +66,6 @@ def validate_engine_config(cfg: EngineConfig) -> None:
         raise ValueError("engine.cuda_graphs=true needs engine.static_cache=true")
     if cfg.sync_every < 1:
         raise ValueError(f"engine.sync_every={cfg.sync_every} must be >= 1")
-    if cfg.decode_streams < 1 or (cfg.decode_streams > 1 and not cfg.static_cache):
-        raise ValueError(f"engine.decode_streams={cfg.decode_streams} must be >= 1 and needs engine.static_cache=true "
-                         "when > 1")
 
 
 def _cache_kwarg(module: torch.nn.Module) -> str:

@@ -168,7 +168,7 @@ class StaticDecoder:
 
     def __init__(self, module, prompts: list[list[int]], seeds: list[int], n_new: int, pad_id: int,
                  stop_ids: list[int], temperature: float, first_temperature: float, top_k: int, top_p: float,
-                 device: torch.device, ops: ModuleType = decode_ops, row_groups: int = 1):
+                 device: torch.device, ops: ModuleType = decode_ops):
         self.p = _parts(module)
         self.ops = ops
         self.w = [_layer_weights(layer) for layer in self.p.layers]
@@ -200,10 +200,6 @@ class StaticDecoder:
         self.pos_B = self.pos_BL[:, -1].clone()
         self.step_1 = torch.zeros((1,), dtype=torch.int64, device=device)  # index of the next sampled token
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.groups = row_slices(B, row_groups)
-        # one stream per group on a GPU; made here, not inside a capture
-        self.streams = [torch.cuda.Stream(device) for _ in self.groups] \
-            if len(self.groups) > 1 and device.type == "cuda" else None
 
     # ---- forward ---------------------------------------------------------------------------------
     def prefill(self) -> None:
@@ -235,43 +231,19 @@ class StaticDecoder:
             o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask_B1LL, scale=self.sm_scale)
             res_TH, delta_TH = self._after_attention(res_TH, o.transpose(1, 2).reshape(B * Lp, -1), w)
         last = torch.arange(B, device=dev) * Lp + (Lp - 1)  # each row's last prompt token
-        self._sample(self._logits(res_TH[last], delta_TH[last]), self.first_temperature or self.temperature,
-                     slice(None))
-        self.step_1.add_(1)
+        self._sample(self._logits(res_TH[last], delta_TH[last]), self.first_temperature or self.temperature)
 
     def _decode_step(self) -> None:
-        """One token for every row: fixed shapes, no host sync (graph-capturable).
-
-        With several row groups (``engine.decode_streams``) each group's step is queued on its own stream
-        after the current stream's work, and the current stream waits for all of them: rows never read
-        each other's state, so one group's memory-bound attention can run beside another's GEMMs, which
-        at a few hundred rows leave most multiprocessors idle. On a CPU the groups run one after another."""
-        if self.streams is None:
-            for rows in self.groups:
-                self._decode_rows(rows)
-        else:
-            current = torch.cuda.current_stream()
-            for stream in self.streams:
-                stream.wait_stream(current)
-            for rows, stream in zip(self.groups, self.streams):
-                with torch.cuda.stream(stream):
-                    self._decode_rows(rows)
-            for stream in self.streams:
-                current.wait_stream(stream)
-        self.step_1.add_(1)
-
-    def _decode_rows(self, rows: slice) -> None:
-        """The decode step of the rows ``rows`` (views of the chunk's state; the step counter is shared)."""
+        """One token for every row: fixed shapes, no host sync (graph-capturable)."""
         ops, p = self.ops, self.p
-        start_B, pos_B = self.start_B[rows], self.pos_B[rows]
-        res_BH, delta_BH = F.embedding(self.tok_B[rows], p.embed.weight), None
+        res_BH, delta_BH = F.embedding(self.tok_B, p.embed.weight), None
         for i, w in enumerate(self.w):
             res_BH, h_BH = ops.add_rmsnorm(res_BH, delta_BH, w.ln1, w.ln1_eps)
             qkv_BX = F.linear(h_BH, w.qkv_w, w.qkv_b)
-            o_BD = ops.decode_attention(qkv_BX, self.k[i][rows], self.v[i][rows], start_B, self.step_1, self.Lp - 1,
-                                        pos_B, self.inv_freq, self.rope_scale, self.sm_scale, p.n_heads, p.n_kv)
+            o_BD = ops.decode_attention(qkv_BX, self.k[i], self.v[i], self.start_B, self.step_1, self.Lp - 1,
+                                        self.pos_B, self.inv_freq, self.rope_scale, self.sm_scale, p.n_heads, p.n_kv)
             res_BH, delta_BH = self._after_attention(res_BH, o_BD, w)
-        self._sample(self._logits(res_BH, delta_BH), self.temperature, rows)
+        self._sample(self._logits(res_BH, delta_BH), self.temperature)
 
     def _after_attention(self, res: torch.Tensor, attn_out: torch.Tensor,
                          w: _LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,22 +256,21 @@ class StaticDecoder:
         _, h = self.ops.add_rmsnorm(res, delta, self.p.norm.weight, float(self.p.norm.variance_epsilon))
         return F.linear(h, self.p.head.weight, self.p.head.bias)
 
-    def _sample(self, raw_logits_BV: torch.Tensor, temperature: float, rows: slice) -> None:
-        """Draw token ``step_1`` of the rows ``rows``; temperature alone is folded into the sampling kernel.
-        The caller advances ``step_1`` once every group has sampled."""
+    def _sample(self, raw_logits_BV: torch.Tensor, temperature: float) -> None:
+        """Draw token ``step_1`` of every row; temperature alone is folded into the sampling kernel."""
         if self.top_k > 0 or self.top_p < 1.0:
             logits_BV, inv_temperature = process_logits(raw_logits_BV, temperature, self.top_k, self.top_p), 1.0
         else:
             logits_BV, inv_temperature = raw_logits_BV, 1.0 / temperature
-        tokens_B, logp_B = self.ops.race_sample(logits_BV, inv_temperature, self.seeds_B[rows], self.step_1)
-        self.tokens_BN[rows].index_copy_(1, self.step_1, tokens_B.unsqueeze(-1))
-        self.logp_BN[rows].index_copy_(1, self.step_1, logp_B.unsqueeze(-1))
+        tokens_B, logp_B = self.ops.race_sample(logits_BV, inv_temperature, self.seeds_B, self.step_1)
+        self.tokens_BN.index_copy_(1, self.step_1, tokens_B.unsqueeze(-1))
+        self.logp_BN.index_copy_(1, self.step_1, logp_B.unsqueeze(-1))
         is_stop_B = (tokens_B.unsqueeze(-1) == self.stop_K).any(-1)
-        first_stop_B = self.first_stop_B[rows]
-        unset_B = first_stop_B == self.n_new
-        first_stop_B.copy_(torch.where(is_stop_B & unset_B, self.step_1, first_stop_B))
-        self.tok_B[rows].copy_(tokens_B)
-        self.pos_B[rows].add_(1)
+        unset_B = self.first_stop_B == self.n_new
+        self.first_stop_B.copy_(torch.where(is_stop_B & unset_B, self.step_1, self.first_stop_B))
+        self.tok_B.copy_(tokens_B)
+        self.pos_B.add_(1)
+        self.step_1.add_(1)
 
     # ---- driving ---------------------------------------------------------------------------------
     def capture(self) -> None:
@@ -361,16 +332,6 @@ class _BlockReadback:
             self.event.synchronize()
 
 
-def row_slices(batch: int, groups: int) -> list[slice]:
-    """``groups`` contiguous row ranges of near-equal size covering ``0 .. batch`` (fewer when the batch
-    has fewer rows than groups)."""
-    if groups < 1:
-        raise ValueError(f"engine.decode_streams={groups} must be >= 1")
-    groups = max(1, min(groups, batch))
-    bounds = [batch * g // groups for g in range(groups + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
 def capture_graph(graph: torch.cuda.CUDAGraph, fn) -> None:
     """Record ``fn``'s kernels into ``graph`` on a side stream, as ``torch.cuda.graph`` does, without that
     context's prelude: it synchronizes the device and empties both the device allocator's cache and the
@@ -416,8 +377,7 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
     def prepare(ops: ModuleType) -> StaticDecoder:
         dec = StaticDecoder(engine.module, [r.prompt_ids for r in requests], [r.seed for r in requests],
                             n_new, engine.pad_token_id, sorted(engine.stop_token_ids), cfg.temperature,
-                            cfg.first_token_temperature, cfg.top_k, cfg.top_p, engine.device, ops,
-                            row_groups=cfg.decode_streams)
+                            cfg.first_token_temperature, cfg.top_k, cfg.top_p, engine.device, ops)
         dec.prefill()
         if cfg.cuda_graphs and n_new > 1:
             try:
