@@ -122,3 +122,42 @@ def test_static_decoder_with_triton_kernels_matches_the_torch_ops_and_a_full_for
         n = len(req.prompt_ids)
         ref_lp = [logp[n - 1 + j, t].item() for j, t in enumerate(s.response_ids)]
         assert s.logprobs == pytest.approx(ref_lp, abs=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_decode_graph_replays_the_eager_steps_and_empties_the_cache_only_when_short(monkeypatch):
+    """The decode step captured once (hf_fast.capture_graph, without torch.cuda.graph's cache-emptying prelude)
+    and replayed gives the eager steps' tokens and log-probs; the allocator's cache is emptied before the
+    capture only when the device's free memory is below the step's headroom."""
+    import asyncio
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from streamrft.config.engine import EngineConfig
+    from streamrft.engines.base import GenerationRequest
+    from streamrft.engines.hf import HFEngine
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg).eval().to(DEV)
+    reqs = [GenerationRequest("a", [5, 6, 7, 8, 9], seed=11), GenerationRequest("b", [3, 4], seed=12)]
+    emptied = []
+    real_empty = torch.cuda.empty_cache
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), real_empty())[1])
+
+    def run(graphs):
+        ecfg = EngineConfig(max_new_tokens=40, static_cache=True, ignore_eos=True, decode_kernels="triton",
+                            temperature=0.9, cuda_graphs=graphs)
+        engine = HFEngine(model, ecfg, eos_token_ids=[0], pad_token_id=0, device=DEV)
+        return [(s.response_ids, s.logprobs) for s in asyncio.run(engine.generate_all(reqs))]
+
+    eager = run(False)
+    emptied.clear()
+    assert run(True) == eager
+    assert emptied == []  # an idle H200 has far more free memory than the headroom
+    free, _ = torch.cuda.mem_get_info()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, free))
+    assert run(True) == eager
+    assert emptied  # short of memory: the cache went back to the driver before the capture
