@@ -339,8 +339,9 @@ def capture_graph(graph: torch.cuda.CUDAGraph, fn) -> None:
     phase: emptying there hands the learner's cached blocks back to the driver only for the next train
     step to allocate them again, and freeing pinned host blocks stalls until the device is idle (the
     second rollout's capture took 1.9 s at 1.5B on the H200 against 0.06 s in later ones). The graph's
-    private pool still gets memory when it needs it: the allocator frees cached blocks and retries
-    before it reports out of memory.
+    private pool cannot use the allocator's cached blocks, and freeing them is not allowed while a
+    capture runs, so ``StaticDecoder.capture`` empties the cache first when the device's free memory is
+    below the step's headroom.
 
     ``thread_local``: only this thread's unsafe CUDA calls are refused during the capture. The default
     (global) mode also refuses other threads' calls, and a background checkpoint write or weight publish
