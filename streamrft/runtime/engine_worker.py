@@ -23,6 +23,7 @@ import asyncio
 import ctypes
 import json
 import logging
+import os
 import signal
 import sys
 from datetime import timedelta
@@ -171,8 +172,20 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(cfg, spec))
     except Exception as exc:  # one line naming the engine rank; the learner sees the exit code
         print(f"streamrft: engine rank {spec['engine_rank']}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return 1
+        exit_now(1)
     return 0
+
+
+def exit_now(code: int) -> None:
+    """End a failed engine process with ``code``, without the interpreter's teardown. After a peer of the
+    weights group has died, the process group's C++ teardown at exit sometimes aborts ("terminate called
+    without an active exception", SIGABRT; 2 runs in 40 of tests/integration/test_weight_sync.py), and the
+    learner would read -6 instead of the status this process chose. Nothing is left to write: the error
+    line is out, the sockets are closed (``serve``'s finally)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
