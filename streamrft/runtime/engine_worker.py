@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 def exit_now(code: int) -> None:
     """End a failed engine process with ``code``, without the interpreter's teardown. After a peer of the
     weights group has died, the process group's C++ teardown at exit sometimes aborts ("terminate called
-    without an active exception", SIGABRT; 2 runs in 40 of tests/integration/test_weight_sync.py), and the
+    without an active exception", SIGABRT; 2 to 5 runs in 40 of tests/integration/test_weight_sync.py), and the
     learner would read -6 instead of the status this process chose. Nothing is left to write: the error
     line is out, the sockets are closed (``serve``'s finally)."""
     logging.shutdown()

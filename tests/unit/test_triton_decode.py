@@ -162,7 +162,7 @@ def test_decode_graph_replays_the_eager_steps_and_empties_the_cache_only_when_sh
     emptied.clear()
     same(run(True), eager)
     assert emptied == []  # an idle GPU has far more free memory than the headroom
-    free, total = torch.cuda.mem_get_info()
+    _, total = torch.cuda.mem_get_info()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, total))
     same(run(True), eager)
     assert emptied  # short of memory: the cache went back to the driver before the capture
