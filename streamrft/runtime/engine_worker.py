@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_now(code: int) -> None:
-    """End a failed engine process with ``code``, without the interpreter's teardown. After a peer of the
+    """End a process of the weights group (a failed engine process; the weight-sync test's workers) with
+    ``code``, without the interpreter's teardown. After a peer of the
     weights group has died, the process group's C++ teardown at exit sometimes aborts ("terminate called
     without an active exception", SIGABRT; 2 to 5 runs in 40 of tests/integration/test_weight_sync.py), and the
     learner would read -6 instead of the status this process chose. Nothing is left to write: the error

@@ -300,10 +300,8 @@ def test_backend_choice():
 
 
 if __name__ == "__main__":
-    # as the engine worker does (streamrft.runtime.engine_worker.exit_now): once a peer has died, the
-    # process group's C++ teardown at interpreter exit sometimes aborts (SIGABRT, "terminate called without
-    # an active exception"; 2 to 5 runs in 40 here), which would replace the worker's exit status
-    exit_code = _worker(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    # the engine worker's exit: once a peer has died, the process group's C++ teardown at interpreter exit
+    # sometimes aborts (SIGABRT), which would replace the worker's exit status
+    from streamrft.runtime.engine_worker import exit_now
+
+    exit_now(_worker(sys.argv[1:]))

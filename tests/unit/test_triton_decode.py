@@ -90,22 +90,28 @@ def test_race_sample_kernel_draws_the_reference_tokens():
         assert int(t_tri[1]) < 100
 
 
-def test_static_decoder_with_triton_kernels_matches_the_torch_ops_and_a_full_forward():
-    """The whole decode step on the kernels: same tokens as the torch ops, log-probs of a full forward."""
-    import asyncio
-
+def _tiny_model_and_requests():
+    """A tiny random Qwen2 on the test device and two requests of different prompt lengths."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from streamrft.config.engine import EngineConfig
     from streamrft.engines.base import GenerationRequest
-    from streamrft.engines.hf import HFEngine
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       tie_word_embeddings=True)
     model = Qwen2ForCausalLM(cfg).eval().to(DEV)
-    reqs = [GenerationRequest("a", [5, 6, 7, 8, 9], seed=11), GenerationRequest("b", [3, 4], seed=12)]
+    return model, [GenerationRequest("a", [5, 6, 7, 8, 9], seed=11), GenerationRequest("b", [3, 4], seed=12)]
+
+
+def test_static_decoder_with_triton_kernels_matches_the_torch_ops_and_a_full_forward():
+    """The whole decode step on the kernels: same tokens as the torch ops, log-probs of a full forward."""
+    import asyncio
+
+    from streamrft.config.engine import EngineConfig
+    from streamrft.engines.hf import HFEngine
+
+    model, reqs = _tiny_model_and_requests()
     runs = {}
     for kernels in ("torch", "triton"):
         ecfg = EngineConfig(max_new_tokens=70, static_cache=True, ignore_eos=True, decode_kernels=kernels,
@@ -131,18 +137,10 @@ def test_decode_graph_replays_the_eager_steps_and_empties_the_cache_only_when_sh
     capture only when the device's free memory is below the step's headroom."""
     import asyncio
 
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from streamrft.config.engine import EngineConfig
-    from streamrft.engines.base import GenerationRequest
     from streamrft.engines.hf import HFEngine
 
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(cfg).eval().to(DEV)
-    reqs = [GenerationRequest("a", [5, 6, 7, 8, 9], seed=11), GenerationRequest("b", [3, 4], seed=12)]
+    model, reqs = _tiny_model_and_requests()
     emptied = []
     real_empty = torch.cuda.empty_cache
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), real_empty())[1])
