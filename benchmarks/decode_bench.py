@@ -11,7 +11,10 @@ and prints the floor (gpu_flops.rollout_floor_s at the copy bandwidth and matmul
 fraction of it reached, and the ratio of each choice to the torch ops. ``--profile`` adds the kernel time
 table of a few eager decode steps (torch.profiler) for the Triton choice.
 
-    python benchmarks/decode_bench.py [--sizes 0.5b,1.5b] [--batch 512] [--prompt 256] [--new 512] [--profile]
+    python benchmarks/decode_bench.py [--sizes 0.5b,1.5b] [--batch 512] [--prompt 256] [--new 512] [--groups 1,8]
+                                      [--profile]
+
+``--groups``: samples per prompt (8: a GRPO group, whose rows share one prompt entry in the cache).
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def measure(model, kernels: str, prompts: list[list[int]], n_new: int, profile: 
             from torch.profiler import ProfilerActivity, profile as torch_profile
 
             dec.step_1.fill_(1)
-            dec.pos_B.copy_(dec.pos_BL[:, -1] + 1)
+            dec.pos_B.copy_(dec.last_prompt_pos_B + 1)
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     dec._decode_step()
@@ -101,7 +104,7 @@ def measure(model, kernels: str, prompts: list[list[int]], n_new: int, profile: 
                 ms_per_step=1000 * decode_s / (n_new - 1), generate_s=generate_s, peak_gib=peak, profile=table)
 
 
-def tune(sizes: list[str], batch: int, ctx: int, vocab: int) -> None:
+def tune(sizes: list[str], batch: int, prompt_len: int, ctx: int, vocab: int) -> None:
     """Kernel launch settings, each alone (triton.testing.do_bench, ms): attention at context ``ctx``,
     race sampling over (batch, vocab) bf16 logits. The first row of each table is the default."""
     import math
@@ -115,22 +118,25 @@ def tune(sizes: list[str], batch: int, ctx: int, vocab: int) -> None:
         sh = SHAPES[size]
         n_h, n_kv = sh["num_attention_heads"], sh["num_key_value_heads"]
         d = sh["hidden_size"] // n_h
-        S = ctx + 64
-        k = torch.randn(batch, n_kv, S, d, device=dev, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
+        # distinct prompts of ``prompt_len`` slots, then ``ctx - prompt_len`` generated slots per row
+        pk = torch.randn(batch, n_kv, prompt_len, d, device=dev, dtype=torch.bfloat16)
+        pv = torch.randn_like(pk)
+        gk = torch.randn(batch, n_kv, ctx - prompt_len + 64, d, device=dev, dtype=torch.bfloat16)
+        gv = torch.randn_like(gk)
         qkv = torch.randn(batch, (n_h + 2 * n_kv) * d, device=dev, dtype=torch.bfloat16)
         start = torch.zeros(batch, dtype=torch.int64, device=dev)
-        step = torch.tensor([1], device=dev)
+        prompt_row = torch.arange(batch, device=dev)
+        step = torch.tensor([ctx - prompt_len], device=dev)
         pos = torch.full((batch,), ctx, device=dev)
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
         kv_bytes = 2 * batch * n_kv * ctx * d * 2
         for bn, warps, stages in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 2), (64, 2, 2),
                                   (128, 4, 3), (256, 8, 2)]:
-            ms = do_bench(lambda: tri.decode_attention(qkv, k, v, start, step, ctx - 2, pos, inv_freq, 1.0,
-                                                       1 / math.sqrt(d), n_h, n_kv, bn, warps, stages))
+            ms = do_bench(lambda: tri.decode_attention(qkv, pk, pv, gk, gv, prompt_row, start, step, pos, inv_freq,
+                                                       1.0, 1 / math.sqrt(d), n_h, n_kv, bn, warps, stages))
             print(f"tune attention {size} ctx={ctx} block_n={bn} warps={warps} stages={stages}: {1000 * ms:.1f} us "
                   f"= {kv_bytes / ms / 1e9:.2f} TB/s of KV read", flush=True)
-        del k, v
+        del pk, pv, gk, gv
     logits = torch.randn(batch, vocab, device=dev, dtype=torch.bfloat16)
     seeds = torch.arange(batch, device=dev)
     step = torch.tensor([3], device=dev)
@@ -149,36 +155,42 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--groups", default="1",
+                    help="samples per prompt, comma-separated (8 = a GRPO group: its rows share one prompt entry)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--tune", action="store_true", help="time kernel launch settings first")
     a = ap.parse_args()
     if a.tune:
-        tune(a.sizes.split(","), a.batch, a.prompt + a.new // 2, a.vocab)
+        tune(a.sizes.split(","), a.batch, a.prompt, a.prompt + a.new // 2, a.vocab)
     ceil = measure_ceilings(torch.device("cuda"))
     bw, rate = ceil["copy_bytes_per_s"], ceil["bf16_flops_per_s"]
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s; "
           f"B={a.batch} prompt={a.prompt} new={a.new}", flush=True)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 1000) for _ in range(a.prompt)] for _ in range(a.batch)]
+    distinct = [[rng.randrange(3, 1000) for _ in range(a.prompt)] for _ in range(a.batch)]
     lines = []
     for size in a.sizes.split(","):
         model = build(size, a.vocab)
         pf, dec_floor = rollout_floor_s(shape_of(model.config), a.batch, a.prompt, a.new, bw, rate)
         lines.append(f"{size}: floor {pf + dec_floor:.3f} s (prefill {pf:.3f} + decode {dec_floor:.3f}), "
                      f"decode floor {1000 * dec_floor / (a.new - 1):.2f} ms/step")
-        lines.append(f"{'size':5} {'kernels':7} {'prefill_s':>9} {'capture_s':>9} {'decode_s':>8} {'ms/step':>7} "
-                     f"{'generate_s':>10} {'peak_GiB':>8} {'decode%':>7} {'rollout%':>8} {'vs torch':>8}")
-        base = None
-        for kernels in a.kernels.split(","):
-            r = measure(model, kernels, prompts, a.new, a.profile and kernels == "triton")
-            base = base or r
-            lines.append(f"{size:5} {kernels:7} {r['prefill_s']:9.3f} {r['capture_s']:9.3f} {r['decode_s']:8.3f} "
-                         f"{r['ms_per_step']:7.2f} {r['generate_s']:10.3f} {r['peak_gib']:8.1f} "
-                         f"{100 * dec_floor / r['decode_s']:7.1f} {100 * (pf + dec_floor) / r['generate_s']:8.1f} "
-                         f"{base['generate_s'] / r['generate_s']:7.2f}x")
-            print(lines[-1], flush=True)
-            if r["profile"]:
-                print(r["profile"], flush=True)
+        lines.append(f"{'size':5} {'group':>5} {'kernels':7} {'prefill_s':>9} {'capture_s':>9} {'decode_s':>8} "
+                     f"{'ms/step':>7} {'generate_s':>10} {'peak_GiB':>8} {'decode%':>7} {'rollout%':>8} {'vs base':>8}")
+        base = None  # the first group size's first kernels
+        for group in [int(g) for g in a.groups.split(",")]:
+            # a.batch rows, ``group`` consecutive rows per distinct prompt (the floor counts every row's
+            # prompt slots, so a shared prompt can read fewer bytes than it)
+            prompts = [distinct[i // group] for i in range(a.batch)]
+            for kernels in a.kernels.split(","):
+                r = measure(model, kernels, prompts, a.new, a.profile and kernels == "triton")
+                base = base or r
+                lines.append(f"{size:5} {group:5} {kernels:7} {r['prefill_s']:9.3f} {r['capture_s']:9.3f} "
+                             f"{r['decode_s']:8.3f} {r['ms_per_step']:7.2f} {r['generate_s']:10.3f} "
+                             f"{r['peak_gib']:8.1f} {100 * dec_floor / r['decode_s']:7.1f} "
+                             f"{100 * (pf + dec_floor) / r['generate_s']:8.1f} {base['generate_s'] / r['generate_s']:7.2f}x")
+                print(lines[-1], flush=True)
+                if r["profile"]:
+                    print(r["profile"], flush=True)
         del model
         torch.cuda.empty_cache()
     print("\n==== DECODE TABLE ====")

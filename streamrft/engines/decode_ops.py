@@ -111,28 +111,38 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + rotated * sin
 
 
-def decode_attention(qkv_BX: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_B: torch.Tensor,
-                     step: torch.Tensor, slot_base: int, pos_B: torch.Tensor, inv_freq: torch.Tensor,
-                     rope_scale: float, sm_scale: float, n_heads: int, n_kv: int) -> torch.Tensor:
+def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, gen_k: torch.Tensor,
+                     gen_v: torch.Tensor, prompt_row_B: torch.Tensor, start_B: torch.Tensor, step: torch.Tensor,
+                     pos_B: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, sm_scale: float, n_heads: int,
+                     n_kv: int) -> torch.Tensor:
     """Attention of one new token per row over its cache; writes this token's k/v first.
 
-    ``qkv_BX = [q (n_heads·d) | k (n_kv·d) | v (n_kv·d)]``; rotary (float32, then rounded) at ``pos_B``;
-    the token's k/v go to slot ``slot_base + step`` of ``k_cache, v_cache (B, n_kv, S, d)``; row b attends
-    to slots ``start_B[b] .. slot`` inclusive. Query head h uses KV head ``h // (n_heads // n_kv)``.
-    Returns (B, n_heads·d)."""
-    B, d = qkv_BX.shape[0], k_cache.shape[-1]
+    The cache has two parts. ``prompt_k, prompt_v (U, n_kv, Lp, d)`` hold the left-padded prompts once per
+    distinct prompt: row b's prompt is entry ``prompt_row_B[b]``, live from slot ``start_B[b]``, so the
+    samples of a GRPO group read one copy. ``gen_k, gen_v (B, n_kv, G, d)`` hold each row's own generated
+    tokens: the token fed at decode step ``step`` (token ``step - 1``) goes to slot ``step - 1``, and row b
+    attends to its prompt's live slots and to its generated slots ``0 .. step - 1``.
+
+    ``qkv_BX = [q (n_heads·d) | k (n_kv·d) | v (n_kv·d)]``; rotary (float32, then rounded) at ``pos_B``.
+    Query head h uses KV head ``h // (n_heads // n_kv)``. Returns (B, n_heads·d)."""
+    B, d = qkv_BX.shape[0], gen_k.shape[-1]
     q = qkv_BX[:, : n_heads * d].view(B, n_heads, d)
     k = qkv_BX[:, n_heads * d: (n_heads + n_kv) * d].view(B, n_kv, d)
     v = qkv_BX[:, (n_heads + n_kv) * d:].view(B, n_kv, d)
     cos, sin = rope_cos_sin(pos_B, inv_freq, rope_scale)
     q, k = rotate_half(q.float(), cos, sin).to(q.dtype), rotate_half(k.float(), cos, sin).to(k.dtype)
-    slot_1 = step.reshape(1) + slot_base
-    k_cache.index_copy_(2, slot_1, k.unsqueeze(2))
-    v_cache.index_copy_(2, slot_1, v.unsqueeze(2))
-    slots_S = torch.arange(k_cache.shape[2], device=k_cache.device)
-    ok_B11S = ((slots_S >= start_B.unsqueeze(-1)) & (slots_S <= slot_1)).view(B, 1, 1, -1)
+    gen_slot_1 = step.reshape(1) - 1
+    gen_k.index_copy_(2, gen_slot_1, k.unsqueeze(2))
+    gen_v.index_copy_(2, gen_slot_1, v.unsqueeze(2))
+    k_all = torch.cat((prompt_k.index_select(0, prompt_row_B), gen_k), dim=2)
+    v_all = torch.cat((prompt_v.index_select(0, prompt_row_B), gen_v), dim=2)
+    Lp = prompt_k.shape[2]
+    slots_S = torch.arange(k_all.shape[2], device=k_all.device)
+    live_prompt_BS = (slots_S >= start_B.unsqueeze(-1)) & (slots_S < Lp)
+    live_gen_S = (slots_S >= Lp) & (slots_S - Lp <= gen_slot_1)
+    ok_B11S = (live_prompt_BS | live_gen_S).view(B, 1, 1, -1)
     q_g = q.view(B, n_kv, n_heads // n_kv, d)
-    o = F.scaled_dot_product_attention(q_g, k_cache, v_cache, attn_mask=ok_B11S, scale=sm_scale)
+    o = F.scaled_dot_product_attention(q_g, k_all, v_all, attn_mask=ok_B11S, scale=sm_scale)
     return o.reshape(B, n_heads * d)
 
 

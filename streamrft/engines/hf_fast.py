@@ -4,8 +4,11 @@ The eager path (``hf.py``) grows a ``DynamicCache``, copies every token to the h
 random number per row from a ``torch.Generator`` at every step: fine on CPU, but on a GPU each decode
 step then costs hundreds of small launches and a host sync. Here, for a chunk of B requests:
 
-* the KV cache is preallocated once, ``k, v: (B, n_kv, L_prompt + N_new, head_dim)`` per layer; prompts
-  are left-padded, so row b's live slots are ``start_B[b] .. L_prompt - 1 + step``, one contiguous range;
+* the KV cache is preallocated once, in two parts per layer: the prompts, left-padded, once per distinct
+  prompt (``prompt_k, prompt_v: (U, n_kv, L_prompt, head_dim)``: the samples of a GRPO group share one
+  entry, so prefill runs U prompts, not B, and decode reads each prompt's slots from DRAM about once), and
+  each row's generated tokens (``gen_k, gen_v: (B, n_kv, N_new - 1, head_dim)``); row b's live slots are
+  its prompt's ``start_B[b] .. L_prompt - 1`` and its own ``0 .. step - 1``;
 * prefill and decode run on the model's weights with the q/k/v and gate/up projections concatenated
   into one GEMM each, and the fused operations of ``decode_ops`` (torch) or ``triton_decode`` (Triton
   kernels, ``engine.decode_kernels``): residual add + RMSNorm and the SiLU gate everywhere; in prefill,
@@ -175,21 +178,32 @@ class StaticDecoder:
         self.sm_scale = float(self.p.layers[0].self_attn.scaling)
         self.temperature, self.first_temperature = temperature, first_temperature
         self.top_k, self.top_p = top_k, top_p
-        B, Lp = len(prompts), max(len(p) for p in prompts)
-        self.B, self.Lp, self.n_new, self.S = B, Lp, n_new, Lp + n_new
+        # the samples of a GRPO group share their prompt: each distinct prompt is prefilled once and its
+        # cache slots are stored once (row b reads entry prompt_row_B[b]); only generated slots are per row
+        entry_of: dict[tuple[int, ...], int] = {}
+        prompt_row = [entry_of.setdefault(tuple(p), len(entry_of)) for p in prompts]
+        distinct = list(entry_of)
+        B, U, Lp = len(prompts), len(distinct), max(len(p) for p in prompts)
+        self.B, self.U, self.Lp, self.n_new = B, U, Lp, n_new
         dtype = self.p.embed.weight.dtype
         self.inv_freq = self.p.rotary.inv_freq.to(device=device, dtype=torch.float32)
         self.rope_scale = float(getattr(self.p.rotary, "attention_scaling", 1.0))
-        ids_BL = torch.full((B, Lp), pad_id, dtype=torch.long)
-        real_BL = torch.zeros((B, Lp), dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            ids_BL[i, Lp - len(p):] = torch.tensor(p, dtype=torch.long)
-            real_BL[i, Lp - len(p):] = True
-        self.ids_BL, self.real_BL = ids_BL.to(device), real_BL.to(device)
-        self.pos_BL = (self.real_BL.long().cumsum(1) - 1).clamp(min=0)
-        shape = (B, self.p.n_kv, self.S, self.p.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.p.layers]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.p.layers]
+        ids_UL = torch.full((U, Lp), pad_id, dtype=torch.long)
+        real_UL = torch.zeros((U, Lp), dtype=torch.bool)
+        for i, p in enumerate(distinct):
+            ids_UL[i, Lp - len(p):] = torch.tensor(p, dtype=torch.long)
+            real_UL[i, Lp - len(p):] = True
+        self.ids_UL, self.real_UL = ids_UL.to(device), real_UL.to(device)
+        self.pos_UL = (self.real_UL.long().cumsum(1) - 1).clamp(min=0)
+        self.prompt_row_B = torch.tensor(prompt_row, dtype=torch.int64, device=device)
+        self.shared_prompts = U < B
+        prompt_shape = (U, self.p.n_kv, Lp, self.p.head_dim)
+        # the token fed at decode step s (token s - 1) goes to generated slot s - 1; the last token is never fed
+        gen_shape = (B, self.p.n_kv, max(1, n_new - 1), self.p.head_dim)
+        self.prompt_k = [torch.zeros(prompt_shape, dtype=dtype, device=device) for _ in self.p.layers]
+        self.prompt_v = [torch.zeros(prompt_shape, dtype=dtype, device=device) for _ in self.p.layers]
+        self.gen_k = [torch.zeros(gen_shape, dtype=dtype, device=device) for _ in self.p.layers]
+        self.gen_v = [torch.zeros(gen_shape, dtype=dtype, device=device) for _ in self.p.layers]
         self.start_B = torch.tensor([Lp - len(p) for p in prompts], dtype=torch.int64, device=device)
         self.seeds_B = torch.tensor(seeds, dtype=torch.int64, device=device)
         self.stop_K = torch.tensor(sorted(stop_ids) or [-1], dtype=torch.int64, device=device)
@@ -197,41 +211,46 @@ class StaticDecoder:
         self.logp_BN = torch.zeros((B, n_new), dtype=torch.float32, device=device)
         self.first_stop_B = torch.full((B,), n_new, dtype=torch.int64, device=device)
         self.tok_B = torch.zeros((B,), dtype=torch.int64, device=device)
-        self.pos_B = self.pos_BL[:, -1].clone()
+        self.last_prompt_pos_B = self.pos_UL[:, -1].index_select(0, self.prompt_row_B)
+        self.pos_B = self.last_prompt_pos_B.clone()
         self.step_1 = torch.zeros((1,), dtype=torch.int64, device=device)  # index of the next sampled token
         self.graph: torch.cuda.CUDAGraph | None = None
 
     # ---- forward ---------------------------------------------------------------------------------
     def prefill(self) -> None:
-        """Run the prompts on the decode weights and ops, fill the cache's first Lp slots, sample token 0.
+        """Run the distinct prompts on the decode weights and ops, fill the prompt cache, sample token 0
+        of every row (the rows of a prompt draw from its logits with their own seeds).
 
         Attention is SDPA over the left-padded prompts (a pad query sees itself only, so no row is NaN);
         rotary embedding is applied as the model's own (cos/sin rounded to the model dtype)."""
         ops, p = self.ops, self.p
-        B, Lp, d = self.B, self.Lp, p.head_dim
-        dev = self.ids_BL.device
+        U, Lp, d = self.U, self.Lp, p.head_dim
+        dev = self.ids_UL.device
         causal_LL = torch.ones((Lp, Lp), dtype=torch.bool, device=dev).tril()
         eye_LL = torch.eye(Lp, dtype=torch.bool, device=dev)
-        mask_B1LL = ((causal_LL & self.real_BL[:, None, :]) | eye_LL).unsqueeze(1)
+        mask_U1LL = ((causal_LL & self.real_UL[:, None, :]) | eye_LL).unsqueeze(1)
         group = p.n_heads // p.n_kv
         # rotary from a device copy of inv_freq (the module's buffer may sit on the CPU after an offload)
-        cos, sin = (t.to(p.embed.weight.dtype) for t in rope_cos_sin(self.pos_BL, self.inv_freq, self.rope_scale))
-        res_TH, delta_TH = F.embedding(self.ids_BL, p.embed.weight).reshape(B * Lp, -1), None
+        cos, sin = (t.to(p.embed.weight.dtype) for t in rope_cos_sin(self.pos_UL, self.inv_freq, self.rope_scale))
+        res_TH, delta_TH = F.embedding(self.ids_UL, p.embed.weight).reshape(U * Lp, -1), None
         q_end, k_end = p.n_heads * d, (p.n_heads + p.n_kv) * d
         for i, w in enumerate(self.w):
             res_TH, h_TH = ops.add_rmsnorm(res_TH, delta_TH, w.ln1, w.ln1_eps)
-            qkv_BLX = F.linear(h_TH, w.qkv_w, w.qkv_b).view(B, Lp, -1)
-            q = qkv_BLX[..., :q_end].reshape(B, Lp, p.n_heads, d).transpose(1, 2)
-            k = qkv_BLX[..., q_end:k_end].reshape(B, Lp, p.n_kv, d).transpose(1, 2)
-            v = qkv_BLX[..., k_end:].reshape(B, Lp, p.n_kv, d).transpose(1, 2)
+            qkv_ULX = F.linear(h_TH, w.qkv_w, w.qkv_b).view(U, Lp, -1)
+            q = qkv_ULX[..., :q_end].reshape(U, Lp, p.n_heads, d).transpose(1, 2)
+            k = qkv_ULX[..., q_end:k_end].reshape(U, Lp, p.n_kv, d).transpose(1, 2)
+            v = qkv_ULX[..., k_end:].reshape(U, Lp, p.n_kv, d).transpose(1, 2)
             q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-            self.k[i][:, :, :Lp].copy_(k)
-            self.v[i][:, :, :Lp].copy_(v)
+            self.prompt_k[i].copy_(k)
+            self.prompt_v[i].copy_(v)
             k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask_B1LL, scale=self.sm_scale)
-            res_TH, delta_TH = self._after_attention(res_TH, o.transpose(1, 2).reshape(B * Lp, -1), w)
-        last = torch.arange(B, device=dev) * Lp + (Lp - 1)  # each row's last prompt token
-        self._sample(self._logits(res_TH[last], delta_TH[last]), self.first_temperature or self.temperature)
+            o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask_U1LL, scale=self.sm_scale)
+            res_TH, delta_TH = self._after_attention(res_TH, o.transpose(1, 2).reshape(U * Lp, -1), w)
+        last = torch.arange(U, device=dev) * Lp + (Lp - 1)  # each prompt's last token
+        logits = self._logits(res_TH[last], delta_TH[last])
+        if self.shared_prompts:
+            logits = logits.index_select(0, self.prompt_row_B)
+        self._sample(logits, self.first_temperature or self.temperature)
 
     def _decode_step(self) -> None:
         """One token for every row: fixed shapes, no host sync (graph-capturable)."""
@@ -240,8 +259,9 @@ class StaticDecoder:
         for i, w in enumerate(self.w):
             res_BH, h_BH = ops.add_rmsnorm(res_BH, delta_BH, w.ln1, w.ln1_eps)
             qkv_BX = F.linear(h_BH, w.qkv_w, w.qkv_b)
-            o_BD = ops.decode_attention(qkv_BX, self.k[i], self.v[i], self.start_B, self.step_1, self.Lp - 1,
-                                        self.pos_B, self.inv_freq, self.rope_scale, self.sm_scale, p.n_heads, p.n_kv)
+            o_BD = ops.decode_attention(qkv_BX, self.prompt_k[i], self.prompt_v[i], self.gen_k[i], self.gen_v[i],
+                                        self.prompt_row_B, self.start_B, self.step_1, self.pos_B, self.inv_freq,
+                                        self.rope_scale, self.sm_scale, p.n_heads, p.n_kv)
             res_BH, delta_BH = self._after_attention(res_BH, o_BD, w)
         self._sample(self._logits(res_BH, delta_BH), self.temperature)
 
@@ -358,13 +378,6 @@ def capture_graph(graph: torch.cuda.CUDAGraph, fn) -> None:
     torch.cuda.current_stream().wait_stream(stream)
 
 
-def kv_cache_bytes(module: torch.nn.Module, batch: int, length: int, dtype_bytes: int = 2) -> int:
-    """Bytes of a static KV cache: layers · 2 · B · n_kv · S · d · dtype_bytes."""
-    cfg = module.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers * 2 * batch * cfg.num_key_value_heads * length * head_dim * dtype_bytes
-
-
 async def generate_chunk_static(engine: HFEngine, requests: list[GenerationRequest],
                                 start: float) -> AsyncIterator[GeneratedSample]:
     """The static-cache counterpart of ``HFEngine._generate_chunk``: same samples contract, rows yielded
@@ -453,4 +466,4 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
         del dec
 
 
-__all__ = ["StaticDecoder", "check_static_support", "decode_kernels", "generate_chunk_static", "kv_cache_bytes"]
+__all__ = ["StaticDecoder", "check_static_support", "decode_kernels", "generate_chunk_static"]

@@ -8,9 +8,10 @@ of the reference functions:
 * ``add_rmsnorm``: residual add + RMSNorm in one pass over the row;
 * ``silu_mul``: the gated MLP activation on the concatenated [gate | up] output;
 * ``decode_attention``: rotary on q and k, the k/v write into the cache, and grouped-query attention
-  (online softmax, flash-decoding style) of one token over only the row's valid slots
-  ``start .. slot``: one program per (row, KV head) loads the cache once for all the query heads that
-  share it, so the bytes read are the KV cache's live part, not the whole preallocated length;
+  (online softmax, flash-decoding style) of one token over only the row's live slots (its prompt's,
+  stored once per distinct prompt, then its own generated ones): one program per (row, KV head) loads
+  the cache once for all the query heads that share it, so the bytes read are the KV cache's live part,
+  not the whole preallocated length;
 * ``race_sample``: the exponential race over the vocabulary with the hash drawn in registers, plus the
   log-sum-exp for the log-prob, in one pass over the logits (no float32 copy, no cumulative sum); in
   base 2 with the hardware log2 on a GPU, so the same draw as the reference up to rounding.
@@ -221,17 +222,31 @@ def silu_mul(gate_up_BI2: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _decode_attention_kernel(qkv_ptr, kc_ptr, vc_ptr, out_ptr, start_ptr, step_ptr, pos_ptr, inv_freq_ptr,
-                             slot_base, rope_scale, sm_scale,
-                             stride_qkv, stride_cb, stride_ch, stride_cs,
+def _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION: tl.constexpr):
+    """One block of cache slots into the online softmax (m, l_sum, acc) of the query heads ``q``."""
+    s = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * sm_scale
+    s = tl.where(live_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vb, input_precision=PRECISION)
+    return m_new, l_sum, acc
+
+
+@triton.jit
+def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, prompt_row_ptr, start_ptr, step_ptr,
+                             pos_ptr, inv_freq_ptr, prompt_len, rope_scale, sm_scale,
+                             stride_qkv, stride_pb, stride_ph, stride_ps, stride_gb, stride_gh, stride_gs,
                              N_HEADS: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                              PRECISION: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half: tl.constexpr = D // 2
-    slot = slot_base + tl.load(step_ptr).to(tl.int32)
+    gen_slot = tl.load(step_ptr).to(tl.int32) - 1  # the fed token's slot in the row's generated cache
     start = tl.load(start_ptr + b).to(tl.int32)
+    prompt_row = tl.load(prompt_row_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.float32)
     offs_d = tl.arange(0, D)
     partner = (offs_d + half) % D
@@ -251,51 +266,57 @@ def _decode_attention_kernel(qkv_ptr, kc_ptr, vc_ptr, out_ptr, start_ptr, step_p
     k = tl.load(k_at + offs_d).to(tl.float32)
     k = (k * cos + tl.load(k_at + partner).to(tl.float32) * sign * sin).to(dtype)
     v = tl.load(row + (N_HEADS + N_KV + h) * D + offs_d)
-    cache_off = b * stride_cb + h * stride_ch
-    tl.store(kc_ptr + cache_off + slot * stride_cs + offs_d, k)
-    tl.store(vc_ptr + cache_off + slot * stride_cs + offs_d, v)
-    # the current token from registers; the older slots start .. slot-1 from the cache
+    gen_off = b * stride_gb + h * stride_gh
+    tl.store(gk_ptr + gen_off + gen_slot * stride_gs + offs_d, k)
+    tl.store(gv_ptr + gen_off + gen_slot * stride_gs + offs_d, v)
+    # the current token from registers; then the prompt's live slots from its shared entry (the rows of a
+    # group run side by side, so all but the first read it from L2), then the row's older generated slots
     m = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * sm_scale
     l_sum = tl.full([GROUP_PAD], 1.0, tl.float32)
     acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32) + v.to(tl.float32)[None, :]
     offs_n0 = tl.arange(0, BLOCK_N)
-    for n0 in range((start // BLOCK_N) * BLOCK_N, slot, BLOCK_N):
+    prompt_off = prompt_row * stride_pb + h * stride_ph
+    for n0 in range((start // BLOCK_N) * BLOCK_N, prompt_len, BLOCK_N):
         offs_n = n0 + offs_n0
-        live_n = (offs_n >= start) & (offs_n < slot)
-        at = cache_off + offs_n[:, None] * stride_cs + offs_d[None, :]
-        kb = tl.load(kc_ptr + at, mask=live_n[:, None], other=0.0)
-        vb = tl.load(vc_ptr + at, mask=live_n[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * sm_scale
-        s = tl.where(live_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vb, input_precision=PRECISION)
-        m = m_new
+        live_n = (offs_n >= start) & (offs_n < prompt_len)
+        at = prompt_off + offs_n[:, None] * stride_ps + offs_d[None, :]
+        kb = tl.load(pk_ptr + at, mask=live_n[:, None], other=0.0)
+        vb = tl.load(pv_ptr + at, mask=live_n[:, None], other=0.0)
+        m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
+    for n0 in range(0, gen_slot, BLOCK_N):
+        offs_n = n0 + offs_n0
+        live_n = offs_n < gen_slot
+        at = gen_off + offs_n[:, None] * stride_gs + offs_d[None, :]
+        kb = tl.load(gk_ptr + at, mask=live_n[:, None], other=0.0)
+        vb = tl.load(gv_ptr + at, mask=live_n[:, None], other=0.0)
+        m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
     out = (acc / l_sum[:, None]).to(dtype)
     tl.store(out_ptr + b * (N_HEADS * D) + (h * GROUP + offs_g)[:, None] * D + offs_d[None, :], out,
              mask=live_g[:, None])
 
 
-def decode_attention(qkv_BX: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_B: torch.Tensor,
-                     step: torch.Tensor, slot_base: int, pos_B: torch.Tensor, inv_freq: torch.Tensor,
-                     rope_scale: float, sm_scale: float, n_heads: int, n_kv: int, block_n: int = 64,
-                     num_warps: int = 0, num_stages: int = 2) -> torch.Tensor:
+def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, gen_k: torch.Tensor,
+                     gen_v: torch.Tensor, prompt_row_B: torch.Tensor, start_B: torch.Tensor, step: torch.Tensor,
+                     pos_B: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, sm_scale: float, n_heads: int,
+                     n_kv: int, block_n: int = 64, num_warps: int = 0, num_stages: int = 2) -> torch.Tensor:
     """Launch settings from decode_bench.py --tune on an H200 (B=512, context 512): 64-slot blocks; 2 warps
     for head_dim 64 (46 µs/layer against 58 µs with 4), 4 warps for 128."""
-    B, d = qkv_BX.shape[0], k_cache.shape[-1]
+    B, d = qkv_BX.shape[0], gen_k.shape[-1]
     num_warps = num_warps or (2 if d <= 64 else 4)
-    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("decode_attention: k/v caches must be contiguous in the head dimension, same strides")
+    for name, t in (("prompt_k", prompt_k), ("prompt_v", prompt_v), ("gen_k", gen_k), ("gen_v", gen_v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"decode_attention: {name} must be contiguous in the head dimension")
+    if prompt_k.stride() != prompt_v.stride() or gen_k.stride() != gen_v.stride():
+        raise ValueError("decode_attention: k and v caches of a part must have the same strides")
     group = n_heads // n_kv
     out = torch.empty((B, n_heads * d), dtype=qkv_BX.dtype, device=qkv_BX.device)
     precision = "ieee" if qkv_BX.dtype == torch.float32 else None  # float32 models: no TF32 rounding
     _decode_attention_kernel[(B, n_kv)](
-        qkv_BX, k_cache, v_cache, out, start_B, step, pos_B, inv_freq, int(slot_base), float(rope_scale),
-        float(sm_scale), qkv_BX.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        N_HEADS=n_heads, N_KV=n_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d,
-        BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+        qkv_BX, prompt_k, prompt_v, gen_k, gen_v, out, prompt_row_B, start_B, step, pos_B, inv_freq,
+        int(prompt_k.shape[2]), float(rope_scale), float(sm_scale), qkv_BX.stride(0),
+        prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2), gen_k.stride(0), gen_k.stride(1),
+        gen_k.stride(2), N_HEADS=n_heads, N_KV=n_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        D=d, BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -41,6 +41,30 @@ def test_static_path_logprobs_match_a_full_forward_of_each_row_alone():
         assert s.logprobs == pytest.approx(ref, abs=1e-4)
 
 
+def test_samples_of_one_prompt_share_its_cache_and_decode_as_if_alone(monkeypatch):
+    """A GRPO group's rows read one prompt cache entry (prefill runs the distinct prompts only), and each row
+    gets the tokens and log-probs it gets when it is decoded alone in its chunk."""
+    from streamrft.engines import hf_fast
+
+    seen, original_init = [], hf_fast.StaticDecoder.__init__
+    monkeypatch.setattr(hf_fast.StaticDecoder, "__init__", lambda self, *a, **k: (original_init(self, *a, **k),
+                                                                                   seen.append(self))[0])
+    model = _model()
+    cfg = EngineConfig(max_new_tokens=6, static_cache=True, sync_every=2, ignore_eos=True, temperature=0.9)
+    engine = HFEngine(model, cfg, eos_token_ids=[0], pad_token_id=0, device=torch.device("cpu"))
+    group = [GenerationRequest(f"g{i}", [5, 6, 7, 8, 9], seed=20 + i) for i in range(3)]
+    other = GenerationRequest("b", [3, 4], seed=12)
+    together = asyncio.run(engine.generate_all([group[0], other, group[1], group[2]]))
+    (dec,) = seen
+    assert (dec.B, dec.U) == (4, 2) and dec.prompt_row_B.tolist() == [0, 1, 0, 0]
+    assert tuple(dec.prompt_k[0].shape) == (2, 2, 5, 8) and tuple(dec.gen_k[0].shape) == (4, 2, 5, 8)
+    alone = [asyncio.run(engine.generate_all([r]))[0] for r in (group[0], other, group[1], group[2])]
+    for a, t in zip(alone, together):
+        assert t.response_ids == a.response_ids
+        assert t.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert len({tuple(s.response_ids) for s in together[::2]}) > 1  # own seeds: the group's samples differ
+
+
 def test_static_path_stops_at_a_stop_token_unless_ignore_eos():
     model = _model()
     with torch.no_grad():  # make token 9 certain after any context: zero hidden states, a head bias for 9

@@ -1,4 +1,4 @@
-"""The static-cache engine sizes its KV cache from the chunk's requests (longest prompt + the largest
+"""The static-cache engine sizes its KV cache from the chunk's requests (longest prompt, and the largest
 max_new_tokens asked for), not from engine.max_new_tokens or the model's max_position_embeddings, and
 decodes only as many steps as the largest request needs."""
 
@@ -48,7 +48,8 @@ def test_kv_cache_holds_the_longest_prompt_plus_the_largest_request(monkeypatch)
     out = asyncio.run(engine.generate_all(requests))
     assert [len(s.response_ids) for s in out] == [3, 7]
     (dec,) = decoders
-    assert tuple(dec.k[0].shape) == (2, 2, 5 + 7, 8)  # (B, kv heads, longest prompt + largest request, head_dim)
+    assert tuple(dec.prompt_k[0].shape) == (2, 2, 5, 8)  # (distinct prompts, kv heads, longest prompt, head_dim)
+    assert tuple(dec.gen_k[0].shape) == (2, 2, 7 - 1, 8)  # (B, kv heads, largest request - 1, head_dim)
     assert dec.tokens_BN.shape == (2, 7) and dec.steps_run == 7  # no step past the largest request
 
 
@@ -56,4 +57,5 @@ def test_requests_without_a_limit_use_engine_max_new_tokens(monkeypatch):
     decoders = _sizes(monkeypatch)
     engine = _engine(max_new_tokens=6)
     asyncio.run(engine.generate_all([GenerationRequest("a", [5, 6, 7], seed=1)]))
-    assert tuple(decoders[0].k[0].shape) == (1, 2, 3 + 6, 8)
+    assert tuple(decoders[0].prompt_k[0].shape) == (1, 2, 3, 8)
+    assert tuple(decoders[0].gen_k[0].shape) == (1, 2, 6 - 1, 8)

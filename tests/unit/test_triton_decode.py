@@ -48,31 +48,36 @@ def test_decode_attention_matches_the_reference(dtype, n_heads, n_kv, d):
     if dtype == torch.bfloat16 and not CUDA:
         pytest.skip("Triton's interpreter computes tl.dot on bfloat16 wrongly; bf16 is checked on a GPU")
     g = torch.Generator().manual_seed(2)
-    B, S, slot_base, step = 3, 150, 69, 11  # slot 80: crosses a 64-slot block boundary
-    start = torch.tensor([0, 5, 69], device=DEV)  # the last row's prompt is one token long
+    # rows 1 and 2 share prompt entry 1 (a GRPO group); 70 prompt slots and 66 generated ones both cross a
+    # 64-slot block boundary; the last entry's prompt is one token long
+    B, U, Lp, G, step = 4, 3, 70, 80, 67
+    prompt_row = torch.tensor([0, 1, 1, 2], device=DEV)
+    start = torch.tensor([0, 5, 5, 69], device=DEV)
     qkv = torch.randn(B, (n_heads + 2 * n_kv) * d, generator=g).to(DEV, dtype)
-    k0 = torch.randn(B, n_kv, S, d, generator=g).to(DEV, dtype)
-    v0 = torch.randn(B, n_kv, S, d, generator=g).to(DEV, dtype)
-    pos = torch.tensor([80, 75, 11], device=DEV)
+    caches0 = [torch.randn(n, n_kv, s, d, generator=g).to(DEV, dtype) for n, s in ((U, Lp), (U, Lp), (B, G), (B, G))]
+    pos = torch.tensor([136, 131, 131, 67], device=DEV)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)).to(DEV)
     step_1 = torch.tensor([step], device=DEV)
+    args = (prompt_row, start, step_1, pos, inv_freq, 1.0, 1 / math.sqrt(d), n_heads, n_kv)
     outs, caches = [], []
     for impl in (ref, tri):
-        k, v = k0.clone(), v0.clone()
-        outs.append(impl.decode_attention(qkv, k, v, start, step_1, slot_base, pos, inv_freq, 1.0,
-                                          1 / math.sqrt(d), n_heads, n_kv).float())
-        caches.append((k, v))
+        cache = [c.clone() for c in caches0]
+        outs.append(impl.decode_attention(qkv, *cache, *args).float())
+        caches.append(cache)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
-    torch.testing.assert_close(caches[1][0].float(), caches[0][0].float(), atol=tol, rtol=tol)
-    assert torch.equal(caches[1][1], caches[0][1])
-    # slots outside start..slot must not matter: poison them and get the same output
-    k, v = k0.clone(), v0.clone()
-    for b in range(B):
-        k[b, :, : int(start[b])] = 1e4
-        k[b, :, slot_base + step + 1:] = 1e4
-    poisoned = tri.decode_attention(qkv, k, v, start, step_1, slot_base, pos, inv_freq, 1.0, 1 / math.sqrt(d),
-                                    n_heads, n_kv).float()
+    # the token's k (rotated) and v land in generated slot step - 1 of every row; nothing else is written
+    torch.testing.assert_close(caches[1][2].float(), caches[0][2].float(), atol=tol, rtol=tol)
+    assert torch.equal(caches[1][3], caches[0][3])
+    assert not torch.equal(caches[1][3][:, :, step - 1], caches0[3][:, :, step - 1])
+    for i in (0, 1):
+        assert torch.equal(caches[1][i], caches0[i])  # the shared prompt entries are read, never written
+    # prompt slots before start and generated slots past step - 1 must not matter: poison them
+    pk, pv, gk, gv = (c.clone() for c in caches0)
+    for u, s in ((0, 0), (1, 5), (2, 69)):
+        pk[u, :, :s] = 1e4
+    gk[:, :, step:] = 1e4
+    poisoned = tri.decode_attention(qkv, pk, pv, gk, gv, *args).float()
     torch.testing.assert_close(poisoned, outs[1], atol=tol, rtol=tol)
 
 
@@ -91,7 +96,8 @@ def test_race_sample_kernel_draws_the_reference_tokens():
 
 
 def _tiny_model_and_requests():
-    """A tiny random Qwen2 on the test device and two requests of different prompt lengths."""
+    """A tiny random Qwen2 on the test device and three requests: two prompt lengths, and two samples of one
+    prompt (a GRPO group: one prompt cache entry)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from streamrft.engines.base import GenerationRequest
@@ -101,7 +107,8 @@ def _tiny_model_and_requests():
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       tie_word_embeddings=True)
     model = Qwen2ForCausalLM(cfg).eval().to(DEV)
-    return model, [GenerationRequest("a", [5, 6, 7, 8, 9], seed=11), GenerationRequest("b", [3, 4], seed=12)]
+    return model, [GenerationRequest("a", [5, 6, 7, 8, 9], seed=11), GenerationRequest("b", [3, 4], seed=12),
+                   GenerationRequest("a2", [5, 6, 7, 8, 9], seed=13)]
 
 
 def test_static_decoder_with_triton_kernels_matches_the_torch_ops_and_a_full_forward():
