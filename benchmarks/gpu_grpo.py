@@ -306,6 +306,8 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         # per step, what checkpointing blocked the step (checkpoint.async_save: the host copy only; the last
         # step's write finishes in the background and the run waits for it at the end)
         "checkpoint_times": [r.get("checkpoint_seconds") for r in rows], "final_save": final_save,
+        # per step, torch.compile's wall time inside it (a later step's share is a recompile)
+        "compile_times": [r.get("compile_seconds") for r in rows],
         # cold: compile_cache_dir was empty when this run started; the Inductor FX-graph cache's hits/misses
         "cache": cache, "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
         "first_step": breakdown(stamps.marks, stamps.calls, rows[0] if rows else {}),
