@@ -27,6 +27,7 @@ import time
 _T_MAIN = time.time()  # the worker's first line: process start = this - the parent's launch time
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
@@ -252,6 +253,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
             raise ValueError("--workload longtail runs colocated only (the async engine lives in another process)")
         force_lengths(run.engine, wl["shape"], run.strategy.tokenizer.eos_token_id)
     stamps.wrap(run.pipeline, "take", "rollout")  # waiting for the step's batch
+    train_diag = watch_train_steps(run.actor, cuda)
     stamps.wrap(run.actor, "train_step", "train")
     times = stamps.calls
 
@@ -308,11 +310,46 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         "checkpoint_times": [r.get("checkpoint_seconds") for r in rows], "final_save": final_save,
         # per step, torch.compile's wall time inside it (a later step's share is a recompile)
         "compile_times": [r.get("compile_seconds") for r in rows],
+        # per train step, the caching allocator's cudaMalloc/cudaFree calls and retries (a retry frees every cached
+        # block and synchronizes), and the kernel tables of the steps named in GPU_GRPO_PROFILE_TRAIN
+        "train_alloc": train_diag["alloc"], "train_profiles": train_diag["profiles"],
         # cold: compile_cache_dir was empty when this run started; the Inductor FX-graph cache's hits/misses
         "cache": cache, "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
         "first_step": breakdown(stamps.marks, stamps.calls, rows[0] if rows else {}),
         "stamps": stamps.to_json(),
     }
+
+
+def watch_train_steps(actor, cuda: bool) -> dict:
+    """Per ``actor.train_step`` call: allocator counter deltas; under ``GPU_GRPO_PROFILE_TRAIN=2,4`` (1-based
+    train steps) a torch.profiler kernel table of those steps, to compare a slow step with a steady one."""
+    import torch
+
+    wanted = {int(x) for x in os.environ.get("GPU_GRPO_PROFILE_TRAIN", "").split(",") if x.strip()}
+    diag: dict = {"alloc": [], "profiles": {}}
+    fn = actor.train_step
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+    @functools.wraps(fn)
+    def watched(*a, **k):
+        n = len(diag["alloc"]) + 1
+        before = torch.cuda.memory_stats() if cuda else {}
+        if cuda and n in wanted:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                out = fn(*a, **k)
+                torch.cuda.synchronize()
+            diag["profiles"][str(n)] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30,
+                                                                 max_name_column_width=70)
+        else:
+            out = fn(*a, **k)
+        after = torch.cuda.memory_stats() if cuda else {}
+        diag["alloc"].append({key: after.get(key, 0) - before.get(key, 0) for key in keys})
+        return out
+
+    actor.train_step = watched
+    return diag
 
 
 # ---------------------------------------------------------------- TRL worker ------------------------
