@@ -162,6 +162,8 @@ class HFEngine:
         # FSDP swaps the module's registered parameters during a forward (see quiesce)
         self._forward_lock = threading.Lock()
         self._static_lock: asyncio.Lock | None = None  # one static-cache chunk at a time (see _exclusive)
+        # the static-cache decode graphs' memory pool, one for the engine's life (hf_fast.decode_graph_pool)
+        self.decode_graph_pool = None
         # weight switching (own_weights): chunks in flight that pin the weights, and what waits for them.
         # Lock order: _switch_lock, then _forward_lock.
         self._switch_lock = threading.Lock()
@@ -430,8 +432,12 @@ class HFEngine:
             pass
 
     async def sleep(self, level: int = 1) -> None:
-        """Level 1: the engine keeps no KV cache between calls, so only the allocator cache is freed.
-        Level 2: also move the weights to CPU when they live on an accelerator (no-op on CPU)."""
+        """Level 1: nothing to free. The engine keeps no KV cache between calls: a chunk's cache went back
+        to this process's caching allocator when the chunk ended, and the learner, in this process when
+        colocated, allocates from that same cache. Handing it to the driver here (``empty_cache``) made
+        every train step allocate its ~270 segments again (benchmarks/NOTES.md v14).
+        Level 2: also move the weights to CPU when they live on an accelerator (no-op on CPU), and return
+        the allocator's cached memory to the driver, for other processes on the device."""
         if level not in (1, 2):
             raise ValueError(f"sleep level={level} must be 1 or 2; set engine.sleep_level")
         if self._active:
@@ -442,8 +448,8 @@ class HFEngine:
             if param is not None and param.device.type != "cpu":
                 self._offloaded_from = param.device
                 self.module.to("cpu")
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         self._asleep = True
 
     async def wake(self) -> None:

@@ -293,8 +293,9 @@ class StaticDecoder:
         self.step_1.add_(1)
 
     # ---- driving ---------------------------------------------------------------------------------
-    def capture(self) -> None:
-        """Record one decode step in a CUDA graph (after a warm-up step on a side stream)."""
+    def capture(self, pool=None) -> None:
+        """Record one decode step in a CUDA graph (after a warm-up step on a side stream), its temporaries
+        in ``pool`` (a ``decode_graph_pool`` id; None: a private pool of its own)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         saved = [t.clone() for t in self._state()]
@@ -308,7 +309,7 @@ class StaticDecoder:
         if torch.cuda.mem_get_info(self.tok_B.device)[0] < self._capture_headroom():
             torch.cuda.empty_cache()
         self.graph = torch.cuda.CUDAGraph()
-        capture_graph(self.graph, self._decode_step)
+        capture_graph(self.graph, self._decode_step, pool)
         for t, s in zip(self._state(), saved):  # capture ran the step once more: undo it
             t.copy_(s)
 
@@ -352,7 +353,21 @@ class _BlockReadback:
             self.event.synchronize()
 
 
-def capture_graph(graph: torch.cuda.CUDAGraph, fn) -> None:
+def decode_graph_pool(engine: HFEngine):
+    """The id of the engine's memory pool for decode graphs, made at the first capture and kept.
+
+    A graph captured in a private pool of its own leaves that pool's memory to be freed only by
+    ``torch.cuda.empty_cache`` once the graph is gone, so each rollout's capture took fresh device memory
+    and something had to empty the cache every step (the engine's sleep did, which also handed the
+    learner's cached blocks back to the driver). Captured in one pool that the engine holds, each chunk's
+    graph reuses the memory of the one before. Sharing is safe because chunks run one at a time
+    (``HFEngine._exclusive``) and a chunk's graph is never replayed after its chunk ends."""
+    if engine.decode_graph_pool is None:
+        engine.decode_graph_pool = torch.cuda.MemPool()
+    return engine.decode_graph_pool.id
+
+
+def capture_graph(graph: torch.cuda.CUDAGraph, fn, pool=None) -> None:
     """Record ``fn``'s kernels into ``graph`` on a side stream, as ``torch.cuda.graph`` does, without that
     context's prelude: it synchronizes the device and empties both the device allocator's cache and the
     pinned host cache before every capture. The engine captures once per rollout, right after a train
@@ -370,7 +385,7 @@ def capture_graph(graph: torch.cuda.CUDAGraph, fn) -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             fn()
         finally:
@@ -395,7 +410,7 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
         dec.prefill()
         if cfg.cuda_graphs and n_new > 1:
             try:
-                dec.capture()  # its warm-up step also compiles the decode kernels
+                dec.capture(decode_graph_pool(engine))  # its warm-up step also compiles the decode kernels
             except RuntimeError as exc:
                 if _is_triton_failure(exc):
                     raise

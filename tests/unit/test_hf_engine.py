@@ -188,6 +188,20 @@ def test_sleep_then_wake_round_trips_and_generate_while_asleep_fails(model):
     assert [s.response_ids for s in after] == [s.response_ids for s in before]
 
 
+def test_sleep_level_1_keeps_the_allocator_cache_for_the_learner_and_level_2_returns_it(model, monkeypatch):
+    """Level 1 leaves the cached device memory to this process's learner (colocated: one allocator serves
+    both); level 2 hands it to the driver, for other processes on the device."""
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    engine = _engine(model, max_new_tokens=4)
+    asyncio.run(engine.sleep(1))
+    assert emptied == []
+    asyncio.run(engine.wake())
+    asyncio.run(engine.sleep(2))
+    assert emptied == [1]
+
+
 def test_bad_settings_and_requests_raise_value_errors_naming_the_fix(model):
     with pytest.raises(ValueError, match="engine.temperature"):
         _engine(model, temperature=0.0)
