@@ -162,7 +162,7 @@ class HFEngine:
         # FSDP swaps the module's registered parameters during a forward (see quiesce)
         self._forward_lock = threading.Lock()
         self._static_lock: asyncio.Lock | None = None  # one static-cache chunk at a time (see _exclusive)
-        # the static-cache decode graphs' memory pool, one for the engine's life (hf_fast.decode_graph_pool)
+        # the static-cache decode graphs' memory pool, one for the engine's life (hf_fast.DecodeGraphPool)
         self.decode_graph_pool = None
         # weight switching (own_weights): chunks in flight that pin the weights, and what waits for them.
         # Lock order: _switch_lock, then _forward_lock.

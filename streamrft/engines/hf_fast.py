@@ -295,7 +295,7 @@ class StaticDecoder:
     # ---- driving ---------------------------------------------------------------------------------
     def capture(self, pool=None) -> None:
         """Record one decode step in a CUDA graph (after a warm-up step on a side stream), its temporaries
-        in ``pool`` (a ``decode_graph_pool`` id; None: a private pool of its own)."""
+        in ``pool`` (a ``DecodeGraphPool`` id; None: a private pool of its own)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         saved = [t.clone() for t in self._state()]
@@ -353,18 +353,26 @@ class _BlockReadback:
             self.event.synchronize()
 
 
-def decode_graph_pool(engine: HFEngine):
-    """The id of the engine's memory pool for decode graphs, made at the first capture and kept.
+class DecodeGraphPool:
+    """One memory pool for all of an engine's decode graphs, kept for the engine's life.
 
     A graph captured in a private pool of its own leaves that pool's memory to be freed only by
     ``torch.cuda.empty_cache`` once the graph is gone, so each rollout's capture took fresh device memory
     and something had to empty the cache every step (the engine's sleep did, which also handed the
-    learner's cached blocks back to the driver). Captured in one pool that the engine holds, each chunk's
-    graph reuses the memory of the one before. Sharing is safe because chunks run one at a time
-    (``HFEngine._exclusive``) and a chunk's graph is never replayed after its chunk ends."""
-    if engine.decode_graph_pool is None:
-        engine.decode_graph_pool = torch.cuda.MemPool()
-    return engine.decode_graph_pool.id
+    learner's cached blocks back to the driver). Captured in one shared pool, each chunk's graph reuses the
+    memory of the one before. Sharing is safe because chunks run one at a time (``HFEngine._exclusive``)
+    and a chunk's graph is never replayed after its chunk ends.
+
+    The last graph is kept until the next capture: a pool whose graphs are all gone has a use count of 0,
+    and capturing into it again fails an internal assertion in PyTorch (seen with torch 2.11 on the H200,
+    in the pinned host allocator's pool of the same id)."""
+
+    def __init__(self):
+        self.id = torch.cuda.graph_pool_handle()
+        self._last: torch.cuda.CUDAGraph | None = None
+
+    def captured(self, graph: torch.cuda.CUDAGraph) -> None:
+        self._last = graph  # the previous one goes now: the pool's count stays >= 1
 
 
 def capture_graph(graph: torch.cuda.CUDAGraph, fn, pool=None) -> None:
@@ -410,7 +418,10 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
         dec.prefill()
         if cfg.cuda_graphs and n_new > 1:
             try:
-                dec.capture(decode_graph_pool(engine))  # its warm-up step also compiles the decode kernels
+                if engine.decode_graph_pool is None:
+                    engine.decode_graph_pool = DecodeGraphPool()
+                dec.capture(engine.decode_graph_pool.id)  # its warm-up step also compiles the decode kernels
+                engine.decode_graph_pool.captured(dec.graph)
             except RuntimeError as exc:
                 if _is_triton_failure(exc):
                     raise

@@ -140,9 +140,11 @@ def test_static_decoder_with_triton_kernels_matches_the_torch_ops_and_a_full_for
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_decode_graph_replays_the_eager_steps_and_empties_the_cache_only_when_short(monkeypatch):
     """The decode step captured once (hf_fast.capture_graph, without torch.cuda.graph's cache-emptying prelude)
-    and replayed gives the eager steps' tokens and log-probs; the allocator's cache is emptied before the
-    capture only when the device's free memory is below the step's headroom."""
+    and replayed gives the eager steps' tokens and log-probs, also when later calls capture into the engine's
+    graph pool again (hf_fast.DecodeGraphPool); the allocator's cache is emptied before the capture only when
+    the device's free memory is below the step's headroom."""
     import asyncio
+    import warnings
 
     from streamrft.config.engine import EngineConfig
     from streamrft.engines.hf import HFEngine
@@ -152,11 +154,19 @@ def test_decode_graph_replays_the_eager_steps_and_empties_the_cache_only_when_sh
     real_empty = torch.cuda.empty_cache
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), real_empty())[1])
 
-    def run(graphs):
+    def run(graphs, calls=1):
         ecfg = EngineConfig(max_new_tokens=40, static_cache=True, ignore_eos=True, decode_kernels="triton",
                             temperature=0.9, cuda_graphs=graphs)
         engine = HFEngine(model, ecfg, eos_token_ids=[0], pad_token_id=0, device=DEV)
-        return [(s.response_ids, s.logprobs) for s in asyncio.run(engine.generate_all(reqs))]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = [[(s.response_ids, s.logprobs) for s in asyncio.run(engine.generate_all(reqs))]
+                    for _ in range(calls)]
+        # a failed capture only warns and decodes eagerly (same tokens): it must not happen here
+        assert not [w for w in caught if "capture failed" in str(w.message)]
+        for out in outs[1:]:  # later calls capture into the engine's pool again, after the first graph ended
+            same(out, outs[0])
+        return outs[0]
 
     def same(a, b):
         assert [ids for ids, _ in a] == [ids for ids, _ in b]
@@ -165,7 +175,7 @@ def test_decode_graph_replays_the_eager_steps_and_empties_the_cache_only_when_sh
 
     eager = run(False)
     emptied.clear()
-    same(run(True), eager)
+    same(run(True, calls=3), eager)
     assert emptied == []  # an idle GPU has far more free memory than the headroom
     _, total = torch.cuda.mem_get_info()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, total))
