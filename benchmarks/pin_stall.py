@@ -12,12 +12,17 @@ and no allocation (``none``, measured in the same run).
 - ``cudahostalloc``: ``torch.empty(..., pin_memory=True)`` per tensor (the stager before v11);
 - ``slab``: one ``HostSlab`` (streamrft/checkpoint/pinning.py): touched without CUDA, page-locked in 256 MiB
   chunks with cudaHostRegister;
-- ``pageable``: the same slab not page-locked (what remains if the driver refuses).
+- ``pageable``: the same slab not page-locked (what remains if the driver refuses): its first touch only,
+  a ``zero_()`` on PyTorch's intra-op threads;
+- ``touch-1thread``: that first touch by one thread (``ctypes.memset``), nothing locked;
+- ``lock``: only the page-locking, of memory touched before the loop starts (cudaHostRegister in the
+  slab's chunks): the part that holds the CUDA driver's lock.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import subprocess
 import sys
@@ -25,13 +30,13 @@ import threading
 import time
 from pathlib import Path
 
-VARIANTS = ("none", "cudahostalloc", "slab", "pageable")
+VARIANTS = ("none", "cudahostalloc", "slab", "pageable", "touch-1thread", "lock")
 
 
 def run_variant(variant: str, gib: float, tensors: int) -> dict:
     import torch
 
-    from streamrft.checkpoint.pinning import HostSlab
+    from streamrft.checkpoint.pinning import CHUNK_BYTES, PAGE, HostSlab, cuda_register, cuda_unregister
 
     if not torch.cuda.is_available():
         raise SystemExit("pin_stall.py measures CUDA driver contention: it needs a GPU")
@@ -42,6 +47,8 @@ def run_variant(variant: str, gib: float, tensors: int) -> dict:
     numel = int(gib * (1 << 30) / 4 / tensors)
     specs = [(torch.Size([numel]), torch.float32)] * tensors
     alloc_s: list[float] = []
+    nbytes = numel * 4 * tensors
+    touched = torch.zeros(nbytes + PAGE, dtype=torch.uint8) if variant == "lock" else None
 
     def allocate() -> None:
         started = time.perf_counter()
@@ -49,7 +56,17 @@ def run_variant(variant: str, gib: float, tensors: int) -> dict:
             kept = [torch.empty(shape, dtype=dtype, pin_memory=True) for shape, dtype in specs]
         elif variant in ("slab", "pageable"):
             kept = HostSlab(specs, pin=variant == "slab")
+        elif variant == "touch-1thread":
+            kept = torch.empty(nbytes, dtype=torch.uint8)
+            ctypes.memset(kept.data_ptr(), 0, nbytes)
+        else:  # lock
+            base = -(-touched.data_ptr() // PAGE) * PAGE
+            kept = [base + off for off in range(0, nbytes // PAGE * PAGE, CHUNK_BYTES)
+                    if cuda_register(base + off, min(CHUNK_BYTES, nbytes // PAGE * PAGE - off)) is None]
         alloc_s.append(time.perf_counter() - started)
+        if variant == "lock":
+            for address in kept:
+                cuda_unregister(address)
         del kept
 
     worker = threading.Thread(target=allocate) if variant != "none" else None
