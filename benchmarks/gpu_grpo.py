@@ -18,6 +18,10 @@ both: benchmarks/longtail.py), instead of the fixed 512.
 step (staleness <= 1) while the learner trains this one.
     python benchmarks/gpu_grpo.py --tiny --out /tmp/x      # CPU dry run: tiny shapes, few tokens
     python benchmarks/gpu_grpo.py --tiny --workload longtail --systems streamrft --steps 2 --out /tmp/y
+
+results.json also holds, per StreamRFT step, the compile seconds (``compile_times``) and the caching allocator's
+cudaMalloc / cudaFree / retry counts of each train step (``train_alloc``); ``GPU_GRPO_PROFILE_TRAIN=2,5`` adds a
+torch.profiler kernel table of those train steps (``train_profiles``; the profiler slows them).
 """
 
 from __future__ import annotations
