@@ -196,7 +196,6 @@ class StaticDecoder:
         self.ids_UL, self.real_UL = ids_UL.to(device), real_UL.to(device)
         self.pos_UL = (self.real_UL.long().cumsum(1) - 1).clamp(min=0)
         self.prompt_row_B = torch.tensor(prompt_row, dtype=torch.int64, device=device)
-        self.shared_prompts = U < B
         prompt_shape = (U, self.p.n_kv, Lp, self.p.head_dim)
         # the token fed at decode step s (token s - 1) goes to generated slot s - 1; the last token is never fed
         gen_shape = (B, self.p.n_kv, max(1, n_new - 1), self.p.head_dim)
@@ -248,7 +247,7 @@ class StaticDecoder:
             res_TH, delta_TH = self._after_attention(res_TH, o.transpose(1, 2).reshape(U * Lp, -1), w)
         last = torch.arange(U, device=dev) * Lp + (Lp - 1)  # each prompt's last token
         logits = self._logits(res_TH[last], delta_TH[last])
-        if self.shared_prompts:
+        if self.U < self.B:  # rows sharing a prompt: one (B, V) copy of its logits each; none when all differ
             logits = logits.index_select(0, self.prompt_row_B)
         self._sample(logits, self.first_temperature or self.temperature)
 
