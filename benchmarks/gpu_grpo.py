@@ -182,6 +182,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     import streamrft.engines as engines
     import streamrft.engines.hf_fast as hf_fast
     from bench_firststep import LAUNCH_ENV, Stamps, breakdown
+    from step_timeline import Timeline
     from streamrft.config import load_config, validate_config
     from streamrft.engines.base import GenerationRequest
     from streamrft.runtime.distributed import init_distributed
@@ -257,8 +258,14 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
             raise ValueError("--workload longtail runs colocated only (the async engine lives in another process)")
         force_lengths(run.engine, wl["shape"], run.strategy.tokenizer.eos_token_id)
     stamps.wrap(run.pipeline, "take", "rollout")  # waiting for the step's batch
-    train_diag = watch_train_steps(run.actor, cuda)
+    train_diag = watch_train_steps(run.actor, cuda, run_dir)
     stamps.wrap(run.actor, "train_step", "train")
+    # one clock for rollouts, train steps, garbage collections and the checkpoint stager's host memory work
+    timeline = Timeline()
+    timeline.watch_gc()
+    timeline.watch_host_staging()
+    timeline.wrap(run.pipeline, "take", "rollout")
+    timeline.wrap(run.actor, "train_step", "train")
     times = stamps.calls
 
     async def main():
@@ -317,6 +324,9 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         # per train step, the caching allocator's cudaMalloc/cudaFree calls and retries (a retry frees every cached
         # block and synchronizes), and the kernel tables of the steps named in GPU_GRPO_PROFILE_TRAIN
         "train_alloc": train_diag["alloc"], "train_profiles": train_diag["profiles"],
+        # those steps' CUDA runtime calls per thread (a lock held by another thread slows the launches), and the run's
+        # timeline: rollouts, train steps, garbage collections, the checkpoint stager's slabs and page-locking calls
+        "train_traces": train_diag["traces"], "timeline": timeline.to_json(),
         # cold: compile_cache_dir was empty when this run started; the Inductor FX-graph cache's hits/misses
         "cache": cache, "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
         "first_step": breakdown(stamps.marks, stamps.calls, rows[0] if rows else {}),
@@ -324,13 +334,15 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     }
 
 
-def watch_train_steps(actor, cuda: bool) -> dict:
+def watch_train_steps(actor, cuda: bool, run_dir: Path) -> dict:
     """Per ``actor.train_step`` call: allocator counter deltas; under ``GPU_GRPO_PROFILE_TRAIN=2,4`` (1-based
-    train steps) a torch.profiler kernel table of those steps, to compare a slow step with a steady one."""
+    train steps) a torch.profiler kernel table of those steps, to compare a slow step with a steady one, and
+    their Chrome traces (run_dir/trace_train{N}.json.gz) with the CUDA runtime calls totalled per thread."""
     import torch
+    from step_timeline import trace_summary
 
     wanted = {int(x) for x in os.environ.get("GPU_GRPO_PROFILE_TRAIN", "").split(",") if x.strip()}
-    diag: dict = {"alloc": [], "profiles": {}}
+    diag: dict = {"alloc": [], "profiles": {}, "traces": {}}
     fn = actor.train_step
     keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
@@ -346,6 +358,9 @@ def watch_train_steps(actor, cuda: bool) -> dict:
                 torch.cuda.synchronize()
             diag["profiles"][str(n)] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30,
                                                                  max_name_column_width=70)
+            trace = run_dir / f"trace_train{n}.json.gz"
+            prof.export_chrome_trace(str(trace))
+            diag["traces"][str(n)] = trace_summary(trace)
         else:
             out = fn(*a, **k)
         after = torch.cuda.memory_stats() if cuda else {}

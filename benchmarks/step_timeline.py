@@ -1,0 +1,117 @@
+"""A wall-clock timeline of one StreamRFT run, for finding what makes one step slower than another.
+
+``Timeline`` records (kind, label, start, seconds) events against one clock (time.perf_counter, relative
+to the timeline's creation): the rollouts and train steps it is told to wrap, every garbage collection
+(``gc.callbacks``), and the checkpoint stager's host-memory work (each page-locking call and each slab).
+``trace_summary`` reads a torch.profiler Chrome trace and totals the CUDA runtime/driver calls per thread:
+a call of another thread that holds the CUDA driver's lock (cudaHostRegister, cudaHostAlloc) shows up
+there next to the training thread's slower launches.
+
+Used by benchmarks/gpu_grpo.py (``timeline`` and ``train_traces`` in results.json).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import gzip
+import inspect
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+
+class Timeline:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.events: list[tuple[str, str, float, float]] = []
+        self._gc_started: dict[int, float] = {}
+
+    def add(self, kind: str, label: str, start: float, seconds: float) -> None:
+        self.events.append((kind, label, round(start - self.t0, 4), round(seconds, 4)))
+
+    def wrap(self, owner, attr: str, kind: str) -> None:
+        """Record every call of ``owner.attr`` (sync or async) as one event labelled by its call count."""
+        fn = getattr(owner, attr)
+        count = [0]
+        add = self.add
+
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def timed_async(*a, **k):
+                count[0] += 1
+                start = time.perf_counter()
+                try:
+                    return await fn(*a, **k)
+                finally:
+                    add(kind, str(count[0]), start, time.perf_counter() - start)
+            setattr(owner, attr, timed_async)
+            return
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            count[0] += 1
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                add(kind, str(count[0]), start, time.perf_counter() - start)
+        setattr(owner, attr, timed)
+
+    def watch_gc(self) -> None:
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                self._gc_started[info["generation"]] = time.perf_counter()
+            else:
+                start = self._gc_started.pop(info["generation"], None)
+                # the young generation's collections are many and short: only a slow one is worth a line
+                if start is not None and (info["generation"] > 0 or time.perf_counter() - start > 2e-3):
+                    self.add("gc", f"gen{info['generation']}", start, time.perf_counter() - start)
+        gc.callbacks.append(on_gc)
+
+    def watch_host_staging(self) -> None:
+        """The stager's slabs and each page-locking call (checkpoint/pinning.py)."""
+        import streamrft.checkpoint.pinning as pinning
+
+        register = pinning.cuda_register
+
+        def timed_register(address: int, nbytes: int):
+            start = time.perf_counter()
+            try:
+                return register(address, nbytes)
+            finally:
+                self.add("host_register", str(nbytes), start, time.perf_counter() - start)
+        pinning.cuda_register = timed_register
+        self.wrap(pinning.HostSlab, "__init__", "host_slab")
+
+    def to_json(self) -> list:
+        return sorted(self.events, key=lambda e: e[2])
+
+
+def trace_summary(path: Path, top: int = 30) -> dict:
+    """Per thread, the CUDA runtime/driver calls of a Chrome trace: count, total and longest (ms), the
+    busiest first; and each thread's share of the window (sum of its top-level CPU ops)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e.get("tid"): e["args"].get("name") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and "args" in e}
+    calls: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    span = [float("inf"), 0.0]
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        ts, dur = float(e.get("ts", 0)), float(e.get("dur", 0))
+        span[0], span[1] = min(span[0], ts), max(span[1], ts + dur)
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            key = (str(names.get(e.get("tid"), e.get("tid"))), e.get("name"))
+            row = calls[key]
+            row[0] += 1
+            row[1] += dur / 1e3
+            row[2] = max(row[2], dur / 1e3)
+    rows = sorted(((t, n, c, round(s, 2), round(m, 2)) for (t, n), (c, s, m) in calls.items()),
+                  key=lambda r: -r[3])[:top]
+    return {"window_ms": round((span[1] - span[0]) / 1e3, 1),
+            "runtime_calls": [dict(zip(("thread", "call", "count", "total_ms", "max_ms"), r)) for r in rows]}
