@@ -266,6 +266,9 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     timeline.watch_host_staging()
     timeline.wrap(run.pipeline, "take", "rollout")
     timeline.wrap(run.actor, "train_step", "train")
+    if cuda:
+        timeline.watch_learner_gpu(run.strategy, run.actor)
+        timeline.watch_gpu_clocks()
     times = stamps.calls
 
     async def main():
@@ -289,7 +292,10 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
             await _shutdown(run)
 
     summary: dict = {}
-    engine_s = asyncio.run(main())
+    try:
+        engine_s = asyncio.run(main())
+    finally:
+        timeline.stop()
     rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     # steady state: not the first step (warm-up) and not the last (it also writes the final checkpoint)
     steady = rows[1:-1] if len(rows) >= 3 else (rows[1:] or rows)
@@ -327,6 +333,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         # those steps' CUDA runtime calls per thread (a lock held by another thread slows the launches), and the run's
         # timeline: rollouts, train steps, garbage collections, the checkpoint stager's slabs and page-locking calls
         "train_traces": train_diag["traces"], "timeline": timeline.to_json(),
+        "learner_gpu": timeline.learner, "gpu_clocks": timeline.clocks,
         # cold: compile_cache_dir was empty when this run started; the Inductor FX-graph cache's hits/misses
         "cache": cache, "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
         "first_step": breakdown(stamps.marks, stamps.calls, rows[0] if rows else {}),

@@ -27,6 +27,8 @@ class Timeline:
         self.t0 = time.perf_counter()
         self.events: list[tuple[str, str, float, float]] = []
         self._gc_started: dict[int, float] = {}
+        self.learner: list[dict] = []  # per train step: its microbatches' and optimizer step's host and GPU seconds
+        self.clocks: list[tuple[float, float, float]] = []  # (seconds, SM clock MHz, board watts)
 
     def add(self, kind: str, label: str, start: float, seconds: float) -> None:
         self.events.append((kind, label, round(start - self.t0, 4), round(seconds, 4)))
@@ -84,6 +86,79 @@ class Timeline:
                 self.add("host_register", str(nbytes), start, time.perf_counter() - start)
         pinning.cuda_register = timed_register
         self.wrap(pinning.HostSlab, "__init__", "host_slab")
+
+    def watch_learner_gpu(self, strategy, actor) -> None:
+        """Per train step, the GPU seconds of its microbatches' forward+backward and of its optimizer step
+        (CUDA events recorded around each call; no synchronization added) next to their host seconds: a slow
+        step whose GPU seconds match a fast one's waits on the host."""
+        import torch
+
+        pending: list[tuple[str, float, object, object]] = []
+
+        def around(owner, attr: str, kind: str) -> None:
+            fn = getattr(owner, attr)
+
+            @functools.wraps(fn)
+            def timed(*a, **k):
+                start, ev0, ev1 = time.perf_counter(), torch.cuda.Event(enable_timing=True), \
+                    torch.cuda.Event(enable_timing=True)
+                ev0.record()
+                out = fn(*a, **k)
+                ev1.record()
+                pending.append((kind, time.perf_counter() - start, ev0, ev1))
+                return out
+            setattr(owner, attr, timed)
+
+        around(strategy, "forward_backward", "fb")
+        around(strategy, "step", "opt")
+        train = actor.train_step
+        count = [0]
+
+        @functools.wraps(train)
+        def resolved(*a, **k):
+            count[0] += 1
+            out = train(*a, **k)
+            sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+            for kind, host_s, ev0, ev1 in pending:
+                ev1.synchronize()
+                row = sums[kind]
+                row[0] += 1
+                row[1] += host_s
+                row[2] += ev0.elapsed_time(ev1) / 1e3
+            span = pending[0][2].elapsed_time(pending[-1][3]) / 1e3 if pending else 0.0
+            self.learner.append({"step": count[0], "gpu_span_s": round(span, 4),
+                                 **{f"{k}_{name}": round(v, 4) if name != "n" else v for k, row in sums.items()
+                                    for name, v in zip(("n", "host_s", "gpu_s"), row)}})
+            pending.clear()
+            return out
+        actor.train_step = resolved
+
+    def watch_gpu_clocks(self, interval_ms: int = 100) -> None:
+        """The SM clock (MHz) and board power (W) sampled by nvidia-smi beside the run (a clock that ramps up
+        after an idle stretch would slow one step's kernels and not the next one's)."""
+        import subprocess
+        import threading
+
+        try:
+            proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                     f"--loop-ms={interval_ms}"], stdout=subprocess.PIPE, text=True)
+        except OSError:
+            return
+        self._clock_proc = proc
+
+        def read() -> None:
+            for line in proc.stdout:
+                try:
+                    sm, watts = (float(x) for x in line.split(","))
+                except ValueError:
+                    continue
+                self.clocks.append((round(time.perf_counter() - self.t0, 3), sm, watts))
+        threading.Thread(target=read, daemon=True).start()
+
+    def stop(self) -> None:
+        proc = getattr(self, "_clock_proc", None)
+        if proc is not None:
+            proc.terminate()
 
     def to_json(self) -> list:
         return sorted(self.events, key=lambda e: e[2])

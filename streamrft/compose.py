@@ -120,7 +120,10 @@ def build_run(cfg: Config, dist) -> Run:
         pipeline = Pipeline(cfg, ctx, dist.world_size, engine, tokenizer, dataset, scorer, teacher, run_id=run_id)
         phase = PhaseController(strategy, engine, all_reduce_sum, metrics, cfg.engine.sleep_level, push_full_weights=cfg.engine.type != "hf",
                                 offload=cfg.train.offload_between_phases, admission=pipeline)
-    checkpointer = Checkpointer(cfg, dist, strategy, accounting, models={"critic": critic} if critic else {})
+    # colocated: the prewarm of async saves page-locks host memory while the engine decodes (runtime/host_idle.py)
+    host_idle = None if cfg.rollout.placement == "async" else getattr(engine, "host_idle_window", None)
+    checkpointer = Checkpointer(cfg, dist, strategy, accounting, models={"critic": critic} if critic else {},
+                                host_idle=host_idle)
     if metrics is not None:
         from streamrft.metrics.probe import probe_pipeline
 

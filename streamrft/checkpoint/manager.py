@@ -84,9 +84,10 @@ class _Snapshot:
 
 
 class Checkpointer:
-    def __init__(self, cfg, dist, strategy, accounting, models: dict[str, object] | None = None):
+    def __init__(self, cfg, dist, strategy, accounting, models: dict[str, object] | None = None, host_idle=None):
         """``models``: further sharded models with their own ``save(path)/load(path)`` (e.g. the critic),
-        each saved in a subfolder of the checkpoint named by its key."""
+        each saved in a subfolder of the checkpoint named by its key. ``host_idle``: the colocated engine's
+        HostIdleWindow (runtime/host_idle.py), or None; async saves' buffers are page-locked while it is open."""
         validate_checkpoint(cfg)
         self.cfg, self.dist, self.strategy, self.accounting = cfg, dist, strategy, accounting
         self.models = dict(models or {})
@@ -98,6 +99,7 @@ class Checkpointer:
         if async_save_enabled(cfg, dist.device.type):
             self._background = BackgroundWriter(dist.rank, cfg.checkpoint.save_timeout_s)
         self._stagers: dict[str, object] = {}  # per saved model: host buffers reused across async saves
+        self.host_idle = host_idle  # a HostIdleWindow: the prewarm page-locks only while it is open
         self._group = None  # the gloo process group of the background writes (created at the first one)
         self.stage_seconds: float | None = None  # how long the newest save blocked the training thread
         self.wait_seconds = 0.0  # of which: waiting for the previous background write (a write slower than the steps between saves)
@@ -217,7 +219,7 @@ class Checkpointer:
         if self._background is not None and not self._stagers:
             # async: allocate the host buffers now, in the background, so the first save only copies
             for name, obj in {"": self.strategy, **self.models}.items():
-                self._stager(name).prewarm(obj.state_for_save())
+                self._stager(name).prewarm(obj.state_for_save(), self.host_idle)
         return None
 
     def save_on_signal(self) -> Path | None:

@@ -7,17 +7,20 @@ behind it: on the H200 the first switch back to rollout after the first train st
 (~6 GB of fp32 weights and Adam state) and 11.8 s at 1.5B, against 0.02 s in every later step
 (benchmarks/NOTES.md v11).
 
-A ``HostSlab`` is one page-aligned block of ordinary host memory, carved into one buffer per tensor. Its
-pages are first touched by a plain fill (no CUDA call, so no driver lock), then locked in place with
-cudaHostRegister one chunk of whole buffers at a time (~256 MiB, or one larger buffer): a CUDA call of
-another thread waits for one chunk at most. If the driver refuses (a locked-memory limit, a container
-without the capability), the slab stays ordinary memory: device-to-host copies are then synchronous and
-slower, still correct, and a warning says so.
+A ``HostSlab`` is one page-aligned block of ordinary host memory, carved into one buffer per tensor. It is
+page-locked one chunk of whole buffers at a time (~256 MiB, or one larger buffer): each chunk's pages are
+first touched by a plain fill (no CUDA call, so no driver lock), then locked in place with cudaHostRegister,
+so a CUDA call of another thread waits for one chunk at most. ``pace`` is called before each chunk with the
+previous chunk's locking seconds: the stager's prewarm uses it to lock only while the rollout decodes and
+to leave the driver to the decode loop between chunks (runtime/host_idle.py). If the driver refuses (a
+locked-memory limit, a container without the capability), the slab stays ordinary memory: device-to-host
+copies are then synchronous and slower, still correct, and a warning says so.
 """
 
 from __future__ import annotations
 
 import resource
+import time
 import warnings
 import weakref
 from typing import Callable, Sequence
@@ -30,6 +33,7 @@ PAGE = resource.getpagesize()
 
 Register = Callable[[int, int], "str | None"]  # (address, bytes) -> None, or the driver's error text
 Unregister = Callable[[int], None]
+Pace = Callable[[float], None]  # called before each chunk with the previous chunk's locking seconds
 
 
 def layout(specs: Sequence[tuple[torch.Size, torch.dtype]],
@@ -67,28 +71,38 @@ class HostSlab:
     unlocked when the slab is collected; the views keep the memory itself alive after that."""
 
     def __init__(self, specs: Sequence[tuple[torch.Size, torch.dtype]], pin: bool, register: Register | None = None,
-                 unregister: Unregister | None = None, chunk_bytes: int = CHUNK_BYTES, rank: int = 0):
+                 unregister: Unregister | None = None, chunk_bytes: int = CHUNK_BYTES, rank: int = 0,
+                 pace: Pace | None = None):
         offsets, runs, total = layout(specs, chunk_bytes)
         raw = torch.empty(total + PAGE, dtype=torch.uint8)
         start = (-raw.data_ptr()) % PAGE
         self.memory = raw[start:start + total]
-        self.memory.zero_()  # first touch of every page here, outside any CUDA call
         self.nbytes = total
         self.views = [self.memory[o:o + _nbytes(shape, dtype)].view(dtype).view(shape)
                       for o, (shape, dtype) in zip(offsets, specs)]
         self.pinned = False
         if pin:
-            self.pinned = self._lock(register or cuda_register, unregister or cuda_unregister, runs, rank)
+            self.pinned = self._lock(register or cuda_register, unregister or cuda_unregister, runs, rank, pace)
+        else:
+            self.memory.zero_()  # first touch of every page here, not in the first save's copy
 
-    def _lock(self, register: Register, unregister: Unregister, runs: list[tuple[int, int]], rank: int) -> bool:
+    def _lock(self, register: Register, unregister: Unregister, runs: list[tuple[int, int]], rank: int,
+              pace: Pace | None) -> bool:
         locked: list[int] = []
         base = self.memory.data_ptr()
+        held = 0.0
         for offset, nbytes in runs:
+            if pace is not None:
+                pace(held)
+            self.memory[offset:offset + nbytes].zero_()  # first touch of the chunk's pages, outside any CUDA call
             address = base + offset
+            started = time.perf_counter()
             error = register(address, nbytes)
+            held = time.perf_counter() - started
             if error is not None:
                 for done in locked:
                     unregister(done)
+                self.memory[offset:].zero_()  # the rest touched all the same
                 warnings.warn(f"checkpoint staging on rank {rank}: page-locking {self.nbytes} bytes of host memory "
                               f"failed ({error}); saves copy from the GPU through pageable memory (slower)",
                               RuntimeWarning, stacklevel=3)

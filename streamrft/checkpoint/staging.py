@@ -11,9 +11,13 @@ may change the originals right after it returns, the background writer reads onl
   the state is on a GPU (device-to-host copies at full speed, issued non-blocking and synchronised once at
   the end) without holding the CUDA driver's lock for the whole allocation.
 - Everything that is not a tensor (LR scheduler fields, Python scalars) is deep-copied.
-- ``prewarm(state)`` allocates (and touches) the buffers in a background thread ahead of the first save,
-  so even the first save only copies (the Checkpointer calls it after the first train step, once the
-  optimizer state exists).
+- ``prewarm(state, window)`` allocates (and touches) the buffers in a background thread ahead of the first
+  save, so even the first save only copies (the Checkpointer calls it after the first train step, once the
+  optimizer state exists). Given a ``HostIdleWindow`` (runtime/host_idle.py: the colocated static-cache
+  engine's decode), the page-locking runs only while it is open, one chunk at a time with a pause as long
+  as the chunk between them; beside the second rollout's prefill and the second train step it stalled
+  their launches. A save that comes first does not wait for the window: ``stage`` finishes the prewarm at
+  once. Nor does a prewarm whose window stays shut for ``WINDOW_PATIENCE_S``.
 
 The caller must not stage again while a write from the previous staging is still reading the buffers
 (the Checkpointer keeps at most one save in flight, waiting for the previous one first).
@@ -23,8 +27,11 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import torch
+
+WINDOW_PATIENCE_S = 300.0  # a prewarm waits this long at most for the window between two chunks, then locks anyway
 
 
 class HostStager:
@@ -35,26 +42,41 @@ class HostStager:
         self.bytes_staged = 0  # of the last stage() call
         self.bytes_allocated = 0  # of the last stage() call (0 once the buffers are warm)
         self._prewarm: threading.Thread | None = None
+        self._lock_now = threading.Event()  # the prewarm locks the rest without waiting: stage() needs the buffers
 
-    def prewarm(self, state) -> None:
+    def prewarm(self, state, window=None) -> None:
         """Allocate host buffers for ``state``'s tensors in a background thread (shapes are read here,
-        nothing is copied). A failure there only means stage() allocates them itself (and raises then)."""
+        nothing is copied), page-locking them while ``window`` (a HostIdleWindow, or None: at once) is open.
+        A failure there only means stage() allocates them itself (and raises then)."""
         specs = self._specs(state)
-        self._prewarm = threading.Thread(target=self._allocate, args=(specs,), name="streamrft-checkpoint-prewarm",
-                                         daemon=True)
+        pace = None if window is None else self._pacer(window)
+        self._prewarm = threading.Thread(target=self._allocate, args=(specs, pace),
+                                         name="streamrft-checkpoint-prewarm", daemon=True)
         self._prewarm.start()
+
+    def _pacer(self, window):
+        """Before each chunk: pause as long as the last one held the driver (the decode loop's launches go
+        through), then wait for the window, unless stage() is waiting for the buffers."""
+        def pace(held_s: float) -> None:
+            if self._lock_now.wait(held_s):
+                return
+            deadline = time.monotonic() + WINDOW_PATIENCE_S
+            while not self._lock_now.is_set() and not window.wait(0.05):
+                if time.monotonic() > deadline:  # no rollout decodes here (or not any more): lock the rest now
+                    self._lock_now.set()
+        return pace
 
     def _specs(self, state) -> list[tuple[tuple, torch.Size, torch.dtype, bool]]:
         specs: list[tuple[tuple, torch.Size, torch.dtype, bool]] = []
         self._shapes(state, (), specs)
         return specs
 
-    def _allocate(self, specs: list[tuple[tuple, torch.Size, torch.dtype, bool]]) -> int:
+    def _allocate(self, specs: list[tuple[tuple, torch.Size, torch.dtype, bool]], pace=None) -> int:
         """One slab for every spec's buffer, page-locked when any source is on a GPU; returns its bytes."""
         from streamrft.checkpoint.pinning import HostSlab
 
         slab = HostSlab([(shape, dtype) for _, shape, dtype, _ in specs], pin=any(cuda for *_, cuda in specs),
-                        rank=self.rank)
+                        rank=self.rank, pace=pace)
         self._slabs.append(slab)
         for (path, *_), view in zip(specs, slab.views):
             self._buffers.setdefault(path, view)
@@ -77,6 +99,7 @@ class HostStager:
     def stage(self, state):
         """A host-memory copy of ``state`` (nested dicts / lists / tuples of tensors and plain values)."""
         if self._prewarm is not None:  # the buffers it is allocating are the ones about to be used
+            self._lock_now.set()
             self._prewarm.join()
             self._prewarm = None
         self.bytes_staged = self.bytes_allocated = 0

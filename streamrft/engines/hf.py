@@ -52,6 +52,7 @@ from transformers import DynamicCache
 
 from streamrft.engines.base import GeneratedSample, GenerationRequest, check_requests, wait_for_version
 from streamrft.engines.sampling import logprob_of, process_logits, sample_tokens
+from streamrft.runtime.host_idle import HostIdleWindow
 
 if TYPE_CHECKING:
     from streamrft.config.engine import EngineConfig
@@ -148,6 +149,9 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
         self.policy_version = policy_version
+        # open while the static-cache decode loop only waits on the GPU (runtime/host_idle.py): background host
+        # work that holds the CUDA driver's lock (the checkpoint prewarm's page-locking) runs then
+        self.host_idle = HostIdleWindow()
         self._cache_kwarg = _cache_kwarg(module)
         # media placeholder ids (Qwen2-VL image/video pad, Qwen2-Audio <|AUDIO|>) are never sampled: a response
         # holding one could not be re-scored, since the model would look for media features to put there
@@ -418,8 +422,15 @@ class HFEngine:
 
     def with_config(self, cfg: EngineConfig) -> "HFEngine":
         """Another engine on the same module with other sampling settings (the greedy evaluation)."""
-        return HFEngine(self.module, cfg, self._eos_token_ids, self.pad_token_id, self.device,
-                        policy_version=self.policy_version, own_weights=self.own_weights)
+        engine = HFEngine(self.module, cfg, self._eos_token_ids, self.pad_token_id, self.device,
+                          policy_version=self.policy_version, own_weights=self.own_weights)
+        engine.host_idle = self.host_idle  # one host, one window
+        return engine
+
+    @property
+    def host_idle_window(self) -> HostIdleWindow | None:
+        """The window, where this engine's rollouts open it (the static-cache decode loop); else None."""
+        return self.host_idle if self.cfg.static_cache else None
 
     def close(self) -> None:
         """Nothing beyond the module, which belongs to the learner (or to this process)."""

@@ -463,28 +463,31 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
     tokens_BN = torch.zeros((B, n_new), dtype=torch.int64)
     logp_BN = torch.zeros((B, n_new), dtype=torch.float32)
     pending = set(range(B))
+    # from here the host only waits on the GPU, a block ahead: background host work may hold the driver
     try:
-        while pending:
-            block = blocks.popleft()
-            await asyncio.to_thread(block.wait)
-            if launched < n_new:  # keep the GPU one block ahead of the host
-                await asyncio.to_thread(launch_next)
-            tokens_BN[:, block.a: block.b] = block.tokens
-            logp_BN[:, block.a: block.b] = block.logp
-            first_stop, done = block.first_stop.tolist(), block.b
-            for i in sorted(pending):
-                stop_at = first_stop[i]
-                if stop_at < limits[i] and stop_at < done:
-                    n, reason = stop_at + 1, "stop"
-                elif done >= limits[i]:
-                    n, reason = limits[i], "length"
-                else:
-                    continue
-                pending.discard(i)
-                yield GeneratedSample(request_id=requests[i].request_id, response_ids=tokens_BN[i, :n].tolist(),
-                                      logprobs=logp_BN[i, :n].tolist(), finish_reason=reason,
-                                      policy_version=version, seconds=time.perf_counter() - start,
-                                      token_versions=[version] * n)
+        with engine.host_idle.opened():
+            while pending:
+                block = blocks.popleft()
+                await asyncio.to_thread(block.wait)
+                if launched < n_new:  # keep the GPU one block ahead of the host
+                    await asyncio.to_thread(launch_next)
+                tokens_BN[:, block.a: block.b] = block.tokens
+                logp_BN[:, block.a: block.b] = block.logp
+                first_stop, done = block.first_stop.tolist(), block.b
+                for i in sorted(pending):
+                    stop_at = first_stop[i]
+                    if stop_at < limits[i] and stop_at < done:
+                        n, reason = stop_at + 1, "stop"
+                    elif done >= limits[i]:
+                        n, reason = limits[i], "length"
+                    else:
+                        continue
+                    pending.discard(i)
+                    yield GeneratedSample(request_id=requests[i].request_id,
+                                          response_ids=tokens_BN[i, :n].tolist(),
+                                          logprobs=logp_BN[i, :n].tolist(), finish_reason=reason,
+                                          policy_version=version, seconds=time.perf_counter() - start,
+                                          token_versions=[version] * n)
     finally:
         for block in blocks:  # the queued steps still use the decoder's buffers and graph
             block.wait()

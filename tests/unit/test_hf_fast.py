@@ -220,3 +220,27 @@ def test_static_path_with_top_k_and_top_p_records_the_processed_distributions_lo
             processed = process_logits(logits[n - 1 + j: n + j], 0.8, 7, 0.8)[0]
             assert processed[tok] > float("-inf")  # drawn from the kept set
             assert s.logprobs[j] == pytest.approx(torch.log_softmax(processed, -1)[tok].item(), abs=1e-4)
+
+
+def test_the_host_idle_window_is_open_while_the_decode_loop_waits_and_shut_around_it(monkeypatch):
+    """Background host work that holds the CUDA driver (the checkpoint prewarm's page-locking) runs only while
+    the static decode loop waits a block behind the GPU: not during prefill, not once the chunk is done."""
+    from streamrft.engines import hf_fast
+
+    states, original_prefill = [], hf_fast.StaticDecoder.prefill
+    monkeypatch.setattr(hf_fast.StaticDecoder, "prefill",
+                        lambda self: (states.append(("prefill", engine.host_idle.is_open())), original_prefill(self))[1])
+    cfg = EngineConfig(max_new_tokens=6, static_cache=True, sync_every=2, ignore_eos=True)
+    engine = HFEngine(_model(), cfg, eos_token_ids=[0], pad_token_id=0, device=torch.device("cpu"))
+
+    async def run():
+        async for sample in engine.generate(_requests()):
+            states.append((sample.request_id, engine.host_idle.is_open()))
+    asyncio.run(run())
+    assert states == [("prefill", False), ("c", True), ("a", True), ("b", True)]
+    assert not engine.host_idle.is_open()
+    assert engine.host_idle_window is engine.host_idle
+    assert engine.with_config(cfg).host_idle is engine.host_idle  # the greedy evaluation engine: the same host
+    eager = HFEngine(_model(), EngineConfig(max_new_tokens=6), eos_token_ids=[0], pad_token_id=0,
+                     device=torch.device("cpu"))
+    assert eager.host_idle_window is None  # its generate never opens the window: nothing may wait for it

@@ -4,13 +4,16 @@ The driver calls are injected here (this machine has no GPU); the last test runs
 on a GPU machine."""
 
 import gc
+import time
 import warnings
 
 import pytest
 import torch
 
+from streamrft.checkpoint import pinning, staging
 from streamrft.checkpoint.pinning import ALIGN, PAGE, HostSlab, layout
 from streamrft.checkpoint.staging import HostStager
+from streamrft.runtime.host_idle import HostIdleWindow
 
 SPECS = [(torch.Size([3, 5]), torch.float32), (torch.Size([]), torch.int64), (torch.Size([7]), torch.bool),
          (torch.Size([0, 4]), torch.bfloat16), (torch.Size([1000]), torch.float64)]
@@ -77,6 +80,60 @@ def test_a_slab_is_locked_in_page_aligned_chunks_that_tile_it_and_unlocked_once_
     gc.collect()
     assert driver.unlocked == locked  # every chunk unlocked, once
     assert views[0].sum().item() == 15.0  # the buffers stay readable after the pages are unlocked
+
+
+def test_pace_runs_before_each_chunk_with_the_seconds_the_previous_one_held_the_driver():
+    driver, calls = Driver(), []
+
+    def slow_register(address: int, nbytes: int):
+        time.sleep(0.02)
+        return driver.register(address, nbytes)
+
+    specs = [(torch.Size([PAGE]), torch.uint8)] * 3
+    slab = HostSlab(specs, pin=True, register=slow_register, unregister=driver.unregister, chunk_bytes=PAGE,
+                    pace=lambda held: calls.append((held, len(driver.locked))))
+    assert slab.pinned and len(driver.locked) == 3
+    assert [locked for _, locked in calls] == [0, 1, 2]  # before each chunk, never in the middle of one
+    assert calls[0][0] == 0.0 and all(held >= 0.02 for held, _ in calls[1:])
+    assert all(int(v.count_nonzero()) == 0 for v in slab.views)  # every chunk touched before it was locked
+
+
+def _stager_of_gpu_state(monkeypatch, driver: Driver) -> HostStager:
+    """A stager whose state counts as on a GPU (so its prewarm page-locks), the driver calls recorded."""
+    monkeypatch.setattr(pinning, "cuda_register", driver.register)
+    monkeypatch.setattr(pinning, "cuda_unregister", driver.unregister)
+    stager = HostStager()
+    specs = stager._specs
+    monkeypatch.setattr(stager, "_specs", lambda state: [(*spec[:3], True) for spec in specs(state)])
+    return stager
+
+
+def test_the_prewarm_page_locks_only_once_the_decode_window_opens(monkeypatch):
+    driver, window = Driver(), HostIdleWindow()
+    stager = _stager_of_gpu_state(monkeypatch, driver)
+    stager.prewarm({"w": torch.ones(3, 4)}, window)
+    time.sleep(0.3)
+    assert driver.locked == [] and stager._prewarm.is_alive()  # the window is shut: waiting
+    with window.opened():
+        stager._prewarm.join(timeout=10)
+    assert not stager._prewarm.is_alive() and len(driver.locked) == 1
+
+
+def test_a_save_does_not_wait_for_the_window_nor_does_a_prewarm_past_its_patience(monkeypatch):
+    driver = Driver()
+    stager = _stager_of_gpu_state(monkeypatch, driver)
+    live = {"w": torch.arange(12.0).reshape(3, 4)}
+    stager.prewarm(live, HostIdleWindow())  # a window that never opens
+    started = time.monotonic()
+    staged = stager.stage(live)
+    assert time.monotonic() - started < 5 and len(driver.locked) == 1 and stager.bytes_allocated == 0
+    assert torch.equal(staged["w"], live["w"])
+
+    monkeypatch.setattr(staging, "WINDOW_PATIENCE_S", 0.2)
+    stager = _stager_of_gpu_state(monkeypatch, Driver())
+    stager.prewarm(live, HostIdleWindow())
+    stager._prewarm.join(timeout=10)
+    assert not stager._prewarm.is_alive() and stager._slabs[0].pinned
 
 
 def test_a_refused_page_lock_unlocks_what_was_locked_and_warns_naming_rank_and_bytes():
