@@ -269,6 +269,8 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     if cuda:
         timeline.watch_learner_gpu(run.strategy, run.actor)
         timeline.watch_gpu_clocks()
+    if os.environ.get("GPU_GRPO_WATCH_OPTIMIZER"):  # the optimizer step's parts and a stack sampler inside it
+        timeline.watch_optimizer_step(run.strategy)
     times = stamps.calls
 
     async def main():
@@ -334,6 +336,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         # timeline: rollouts, train steps, garbage collections, the checkpoint stager's slabs and page-locking calls
         "train_traces": train_diag["traces"], "timeline": timeline.to_json(),
         "learner_gpu": timeline.learner, "gpu_clocks": timeline.clocks,
+        "optimizer_parts": timeline.optimizer_parts, "optimizer_stacks": timeline.stack_summary(),
         # cold: compile_cache_dir was empty when this run started; the Inductor FX-graph cache's hits/misses
         "cache": cache, "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
         "first_step": breakdown(stamps.marks, stamps.calls, rows[0] if rows else {}),

@@ -29,6 +29,9 @@ class Timeline:
         self._gc_started: dict[int, float] = {}
         self.learner: list[dict] = []  # per train step: its microbatches' and optimizer step's host and GPU seconds
         self.clocks: list[tuple[float, float, float]] = []  # (seconds, SM clock MHz, board watts)
+        self.optimizer_parts: list[tuple] = []  # (train step, part, host s, GPU s)
+        self.stacks: dict[tuple, int] = {}  # (train step, thread, innermost frames) -> samples
+        self._stopped = False
 
     def add(self, kind: str, label: str, start: float, seconds: float) -> None:
         self.events.append((kind, label, round(start - self.t0, 4), round(seconds, 4)))
@@ -133,6 +136,90 @@ class Timeline:
             return out
         actor.train_step = resolved
 
+    def watch_optimizer_step(self, strategy, interval_s: float = 0.005) -> None:
+        """Inside each ``strategy.step``: the host and GPU seconds of its parts (grad norm, AdamW step, zero_grad;
+        not the LR schedule's, whose state dict holds its attributes), and every ``interval_s`` the innermost frames of every thread (a sampling profiler: a
+        thread that holds the GIL or the driver while the training thread waits shows up beside it)."""
+        import sys
+        import threading
+
+        import torch
+
+        cuda = torch.cuda.is_available()
+        state = {"step": 0, "train_thread": None}
+        parts: list[tuple[int, str, float, object, object]] = []
+
+        def timed(owner, attr: str, name: str) -> None:
+            fn = getattr(owner, attr)
+
+            @functools.wraps(fn)
+            def inner(*a, **k):
+                start = time.perf_counter()
+                ev0, ev1 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda \
+                    else (None, None)
+                if cuda:
+                    ev0.record()
+                out = fn(*a, **k)
+                if cuda:
+                    ev1.record()
+                parts.append((state["step"], name, time.perf_counter() - start, ev0, ev1))
+                return out
+            setattr(owner, attr, inner)
+
+        timed(strategy, "grad_norm", "grad_norm")
+        timed(strategy.optimizer, "step", "adamw")
+        timed(strategy.optimizer, "zero_grad", "zero_grad")
+        step = strategy.step
+
+        @functools.wraps(step)
+        def watched(*a, **k):
+            state["step"] += 1
+            state["train_thread"] = threading.get_ident()
+            try:
+                return step(*a, **k)
+            finally:
+                state["train_thread"] = None
+                for n, name, host_s, ev0, ev1 in parts:
+                    gpu_s = 0.0
+                    if cuda:
+                        ev1.synchronize()
+                        gpu_s = ev0.elapsed_time(ev1) / 1e3
+                    self.optimizer_parts.append((n, name, round(host_s, 4), round(gpu_s, 4)))
+                parts.clear()
+        strategy.step = watched
+
+        def frames(frame, depth: int = 5) -> str:
+            out = []
+            while frame is not None and len(out) < depth:
+                code = frame.f_code
+                out.append(f"{Path(code.co_filename).name}:{frame.f_lineno}:{code.co_name}")
+                frame = frame.f_back
+            return " < ".join(out)
+
+        def sample() -> None:
+            me = threading.get_ident()
+            while not self._stopped:
+                time.sleep(interval_s)
+                train = state["train_thread"]
+                if train is None:
+                    continue
+                names = {t.ident: t.name for t in threading.enumerate()}
+                for tid, frame in sys._current_frames().items():
+                    if tid == me:
+                        continue
+                    who = "TRAIN" if tid == train else names.get(tid, str(tid))
+                    key = (state["step"], who, frames(frame))
+                    self.stacks[key] = self.stacks.get(key, 0) + 1
+        threading.Thread(target=sample, name="timeline-sampler", daemon=True).start()
+
+    def stack_summary(self, top: int = 12) -> dict:
+        """Per optimizer step: the most sampled stacks per thread (counts of interval_s samples)."""
+        out: dict[str, list] = defaultdict(list)
+        for (step, who, stack), n in sorted(self.stacks.items(), key=lambda kv: -kv[1]):
+            if len(out[str(step)]) < top:
+                out[str(step)].append((who, n, stack))
+        return dict(out)
+
     def watch_gpu_clocks(self, interval_ms: int = 100) -> None:
         """The SM clock (MHz) and board power (W) sampled by nvidia-smi beside the run (a clock that ramps up
         after an idle stretch would slow one step's kernels and not the next one's)."""
@@ -156,6 +243,7 @@ class Timeline:
         threading.Thread(target=read, daemon=True).start()
 
     def stop(self) -> None:
+        self._stopped = True
         proc = getattr(self, "_clock_proc", None)
         if proc is not None:
             proc.terminate()
