@@ -8,6 +8,9 @@ S = total_steps, r = train.min_lr_ratio, the LR used by step s is lr * f(s):
   "cosine"   (s >= W):  f(s) = r + (1 - r) * 0.5 * (1 + cos(pi * min(1, (s - W) / max(1, S - W))))
 
 so cosine starts at lr right after warm-up and reaches r * lr at s = S.
+
+``ShardLocalAdamW`` is torch's AdamW with its update run on each DTensor's local shard (its docstring says
+why); its state, state dict and numbers are torch AdamW's.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], train_cfg: TrainConfig) -> torch.optim.AdamW:
-    """torch AdamW over the trainable ``params`` with lr, betas, eps and weight_decay from ``train_cfg``."""
+    """AdamW (ShardLocalAdamW) over the trainable ``params`` with lr, betas, eps and weight_decay from ``train_cfg``."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters; check model.freeze_prefix, it may freeze the whole model")
@@ -36,8 +39,46 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], train_cfg: TrainConfig
 
         return HostAdamW(params, lr=train_cfg.lr, betas=(beta1, beta2), eps=train_cfg.adam_eps,
                          weight_decay=train_cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=train_cfg.lr, betas=(beta1, beta2), eps=train_cfg.adam_eps,
-                             weight_decay=train_cfg.weight_decay)
+    return ShardLocalAdamW(params, lr=train_cfg.lr, betas=(beta1, beta2), eps=train_cfg.adam_eps,
+                           weight_decay=train_cfg.weight_decay)
+
+
+class ShardLocalAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW whose update runs on the local shards of DTensor parameters (FSDP2's).
+
+    AdamW is elementwise: each rank's shard of a parameter is updated from the same shard of its gradient
+    and moments, so the update needs no DTensor dispatch. Through DTensor, every foreach op of the step
+    went through sharding propagation over ~300 tensors, and when that cache missed (on some steps, not
+    others) the step took 0.9-1.0 s of host time instead of 0.02 s at 0.5B on the H200 (benchmarks/NOTES.md
+    v15). Here torch's own ``_init_group`` gathers the group's tensors and creates missing state exactly as
+    AdamW.step does (the moments stay DTensors: the state dict and checkpoints are unchanged), and torch's
+    functional ``adam`` runs on their local tensors, which share storage with the DTensors."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardLocalAdamW.step takes no closure (the learner computes the loss itself)")
+        from torch.optim.adam import adam
+
+        for group in self.param_groups:
+            lists: tuple[list, ...] = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max, steps
+            has_complex = self._init_group(group, *lists)
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = ([_local(t) for t in ts] for ts in lists)
+            beta1, beta2 = group["betas"]
+            adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
+                 has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                 eps=group["eps"], maximize=group["maximize"], foreach=group["foreach"],
+                 capturable=group["capturable"], differentiable=group["differentiable"], fused=group["fused"],
+                 grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
+                 decoupled_weight_decay=True)
+        return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def lr_factor(schedule: str, step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -70,3 +70,38 @@ def test_bad_schedule_settings_are_value_errors_naming_the_key():
     frozen = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
     with pytest.raises(ValueError, match="freeze_prefix"):
         build_optimizer([frozen], train_cfg())
+
+
+def test_shard_local_adamw_updates_dtensor_shards_exactly_as_torch_adamw_updates_plain_tensors(dist):
+    """The update runs on each DTensor's local shard (no DTensor dispatch), with torch's numbers: bitwise the same
+    parameters and moments as torch.optim.AdamW on plain tensors, and a state dict of the same form (moments
+    that are DTensors, a step count), so checkpoints do not change."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from streamrft.learner.optim import ShardLocalAdamW
+
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    init = [torch.randn(6, 4), torch.randn(5)]
+    grads = [[torch.randn_like(t) for t in init] for _ in range(3)]
+    sharded = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
+    plain = [torch.nn.Parameter(t.clone()) for t in init]
+    kw = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    ours, ref = ShardLocalAdamW(sharded, **kw), torch.optim.AdamW(plain, **kw)
+    for step_grads in grads:
+        for p, q, g in zip(sharded, plain, step_grads):
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+            q.grad = g.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(sharded, plain):
+        assert isinstance(p, DTensor) and torch.equal(p.full_tensor(), q.detach())
+        mine, theirs = ours.state[p], ref.state[q]
+        assert set(mine) == set(theirs) == {"step", "exp_avg", "exp_avg_sq"} and float(mine["step"]) == 3.0
+        assert isinstance(mine["exp_avg"], DTensor)
+        assert torch.equal(mine["exp_avg"].full_tensor(), theirs["exp_avg"])
+        assert torch.equal(mine["exp_avg_sq"].full_tensor(), theirs["exp_avg_sq"])
+    assert ours.state_dict()["param_groups"][0].keys() == ref.state_dict()["param_groups"][0].keys()
+    with pytest.raises(ValueError, match="no closure"):
+        ours.step(lambda: 0.0)
