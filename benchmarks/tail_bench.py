@@ -5,6 +5,10 @@ over steps 2..N-1; ``--profile DIR`` also writes a cProfile of one steady rollou
 cumulative and by own time.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tail_bench.py --out /tmp/tail [--steps 6] [--profile /tmp/tail]
+
+``--baseline``: channels send every item in a message of its own (``ChannelSender.coalesce = False``, the
+behaviour before v15). ``--compare N``: N pairs of runs, baseline and current alternating, each in its own
+process; prints both medians and their ratios.
 """
 
 from __future__ import annotations
@@ -32,9 +36,17 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--profile", default="", help="folder for the cProfile of step 3's rollout")
+    ap.add_argument("--baseline", action="store_true", help="one message per item on every channel")
+    ap.add_argument("--compare", type=int, default=0, help="N alternating pairs of baseline and current runs")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.compare:
+        return compare(a.compare, out, a.steps)
+    if a.baseline:
+        from streamrft.runtime.channels import ChannelSender
+
+        ChannelSender.coalesce = False
     wl = gpu_grpo.workload(True)
     wl.update(prompts=64, samples=8, new=4, micro_batch=64)
     gpu_grpo.build_model("tiny", wl, out, "cpu")
@@ -86,6 +98,27 @@ def main() -> None:
                       "loop_cpu_s_median": statistics.median(c for i, c in enumerate(cpu[1:], 1) if not (a.profile and i == 2)),
                       "loop_cpu_s": [round(c, 3) for c in cpu],
                       "gc2_s": [round(c, 3) for c in gc2]}))
+
+
+def compare(pairs: int, out: Path, steps: int) -> None:
+    """Alternate baseline and current runs (each a fresh process) and print the medians and ratios."""
+    import subprocess
+
+    runs: dict[str, list[dict]] = {"baseline": [], "current": []}
+    for i in range(pairs):
+        for kind in ("baseline", "current"):
+            cmd = [sys.executable, __file__, "--out", str(out / f"{kind}{i}"), "--steps", str(steps)]
+            if kind == "baseline":
+                cmd.append("--baseline")
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if done.returncode:
+                raise SystemExit(f"{kind} run {i} failed:\n{done.stderr[-3000:]}")
+            runs[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(kind, i, runs[kind][-1], flush=True)
+    med = {kind: {key: statistics.median(r[key] for r in rs) for key in ("loop_cpu_s_median", "rollout_s_median")}
+           for kind, rs in runs.items()}
+    print(json.dumps({"medians": med, "ratio_current_over_baseline": {
+        key: round(med["current"][key] / med["baseline"][key], 3) for key in med["current"]}}))
 
 
 if __name__ == "__main__":

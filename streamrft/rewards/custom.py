@@ -17,8 +17,9 @@ a per-sample function that raises fails that sample only; a batched one that rai
 wrong number of values, fails the whole batch. Sync functions run in the function's own bounded pool
 of daemon threads (:class:`streamrft.rewards.bounded.BoundedExecutor`, ``max_workers`` =
 ``reward.max_concurrency``), never in the event loop's default executor that the hf engine uses: a
-call that never returns fails its sample at the caller's deadline and blocks neither the engine nor
-shutdown.
+call that never returns fails the samples of its ``score`` call (the reward stage scores what arrives
+together in one call) at the caller's deadline and blocks neither the engine nor shutdown. A per-sample
+sync function given many samples runs them in at most ``max_workers`` thread jobs, each over a slice.
 
 Functions written for TRL, verl or OpenRLHF keep their own signatures: ``reward.sources[].convention``
 (``RewardFunction(..., convention=)``) hands the call to an adapter in streamrft.rewards.conventions.
@@ -103,11 +104,22 @@ class RewardFunction:
             return await self._score_adapted(items)
         if self.is_batched:
             return await self._score_batched(items)
-        if len(items) == 1:  # the reward stage scores one sample at a time: no gather, no task
+        if len(items) == 1:  # no gather, no task
             return [await self._score_one(items[0])]
+        if self.executor is not None:
+            # a sync per-sample function over many samples (the reward stage batches what arrives together):
+            # one thread job per slice, as many slices as the source has threads, instead of one job (a thread
+            # hand-off and an event-loop wake-up) per sample
+            n = min(self.executor.max_workers, len(items))
+            slices = [items[i::n] for i in range(n)]
+            done = await asyncio.gather(*(self.executor.run(self._score_slice, part) for part in slices))
+            out: list[float | Exception] = [0.0] * len(items)
+            for i, values in enumerate(done):
+                out[i::n] = values
+            return out
         return list(await asyncio.gather(*(self._score_one(item) for item in items)))
 
-    async def _score_one(self, item: RewardItem) -> float | Exception:
+    def _kwargs(self, item: RewardItem) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
         if "prompt" in self._keywords:
             kwargs["prompt"] = item.prompt
@@ -115,10 +127,23 @@ class RewardFunction:
             kwargs["label"] = item.label
         if "images" in self._keywords:
             kwargs["images"] = list(item.images)  # base64 strings, one per distinct image of the sample
+        return kwargs
+
+    async def _score_one(self, item: RewardItem) -> float | Exception:
         try:
-            return _as_float(await self._call(item.response, item.reference, **kwargs))
+            return _as_float(await self._call(item.response, item.reference, **self._kwargs(item)))
         except Exception as exc:  # reported per sample by the caller, never dropped
             return exc
+
+    def _score_slice(self, items: Sequence[RewardItem]) -> list[float | Exception]:
+        """In a worker thread: each sample's value, or the exception its call raised (that sample fails alone)."""
+        out: list[float | Exception] = []
+        for item in items:
+            try:
+                out.append(_as_float(self.fn(item.response, item.reference, **self._kwargs(item))))
+            except Exception as exc:
+                out.append(exc)
+        return out
 
     async def _score_batched(self, items: Sequence[RewardItem]) -> list[float | Exception]:
         kwargs: dict[str, Any] = {}

@@ -23,8 +23,18 @@ Wire (DEALER sender -> ROUTER receiver, which prepends the sender's routing id):
     [b"hello"]                           first contact; also asks for credits
     [b"want"]                            out of credits, a send is waiting
     [b"data", header, *tensor_frames]    costs one credit; header = protocols.encode(Message)
+    [b"batch", msgpack([k1, k2, ...]), header1, *tensor_frames1, header2, ...]
+                                         n items of k_i frames each (header + tensors): n credits
     [b"bye"]                             closing; unused credits go back to the pool
     receiver -> sender: [b"grant", msgpack(n)]   n more credits (the first grant ends the handshake)
+
+Coalescing. ``send`` spends its credit and queues the encoded item; the queue goes out as one ZeroMQ
+message at the next turn of the event loop (or at once, before the sender waits for credits or closes).
+A stage that sends many items in one turn (the generator when a decode block finishes 512 samples, the
+advantage stage releasing a group) thus pays one socket send, one receive and one wake-up of the
+receiver for all of them instead of one each: in the rollout's per-sample tail those were most of the
+host time after the decode (benchmarks/NOTES.md v15). Order, credits (one per item) and the inbox's
+items are unchanged: the receiver splits a batch into its items on arrival.
 
 Tensors travel as raw frames beside the header, one per ``header.tensors`` TensorSpec (see
 ``streamrft.runtime.frames``). Nothing on the wire is pickled.
@@ -71,6 +81,7 @@ TRANSPORTS = ("inproc", "ipc", "tcp")
 HELLO = b"hello"
 WANT = b"want"
 DATA = b"data"
+BATCH = b"batch"
 BYE = b"bye"
 GRANT = b"grant"
 
@@ -139,6 +150,13 @@ def _default_context(ctx: zmq.asyncio.Context | None) -> zmq.asyncio.Context:
 
 def _where(name: str, rank: int, address: str) -> str:
     return f"channel {name!r} rank {rank} ({address})"
+
+
+class _MalformedBatch:
+    """Stands for the frames of a batch message that could not be split (decoded at recv as an error)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
 
 
 class ChannelReceiver:
@@ -303,20 +321,9 @@ class ChannelReceiver:
         peer = parts[0].bytes
         kind = parts[1].bytes if len(parts) > 1 else b""
         if kind == DATA:
-            if self._granted.get(peer, 0) <= 0:
-                self.uncredited_dropped += 1
-                log.warning("%s: dropped a data message from peer %r that held no credit (%d so far)",
-                            self._where(), peer, self.uncredited_dropped)
-                return
-            self._granted[peer] -= 1
-            self._inbox.append(parts[2:])
-            self.peak_qsize = max(self.peak_qsize, len(self._inbox))
-            assert len(self._inbox) <= self.capacity, "credit accounting let the inbox overflow"
-            while self._waiters:
-                waiter = self._waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    break
+            self._accept(peer, [parts[2:]])
+        elif kind == BATCH:
+            self._accept(peer, self._split_batch(peer, parts[2:]))
         elif kind in (HELLO, WANT):
             self._granted.setdefault(peer, 0)
             if peer not in self._hungry:
@@ -330,6 +337,45 @@ class ChannelReceiver:
             self._grant_to_hungry()
         else:
             log.warning("%s: ignored a message of unknown kind %r from peer %r", self._where(), kind[:32], peer)
+
+    def _accept(self, peer: bytes, items: list[list[zmq.Frame]]) -> None:
+        """Items of one message into the inbox, one credit each; none if the peer holds too few credits."""
+        if not items:
+            return
+        if self._granted.get(peer, 0) < len(items):
+            self.uncredited_dropped += len(items)
+            log.warning("%s: dropped %d data item(s) from peer %r that held %d credit(s) (%d dropped so far)",
+                        self._where(), len(items), peer, self._granted.get(peer, 0), self.uncredited_dropped)
+            return
+        self._granted[peer] -= len(items)
+        self._inbox.extend(items)
+        self.peak_qsize = max(self.peak_qsize, len(self._inbox))
+        assert len(self._inbox) <= self.capacity, "credit accounting let the inbox overflow"
+        woken = 0
+        while self._waiters and woken < len(items):
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                woken += 1
+
+    def _split_batch(self, peer: bytes, parts: list[zmq.Frame]) -> list[list[zmq.Frame]]:
+        """A batch's items, as lists of frames (header first). A batch whose frame counts do not describe its
+        frames is one item that fails to decode at ``recv`` (a ProtocolError there, naming the channel), so a
+        broken peer's message is neither lost silently nor able to stop the pump."""
+        try:
+            if not parts:
+                raise ValueError("no frame-count frame")
+            counts = msgspec.msgpack.decode(parts[0].bytes, type=list[int])
+            if not counts or any(k < 1 for k in counts) or sum(counts) != len(parts) - 1:
+                raise ValueError(f"frame counts {counts[:8]} for {len(parts) - 1} frame(s)")
+        except (msgspec.DecodeError, ValueError) as exc:
+            log.warning("%s: malformed batch from peer %r: %s", self._where(), peer, exc)
+            return [[_MalformedBatch(str(exc))]]
+        items, at = [], 1
+        for k in counts:
+            items.append(parts[at:at + k])
+            at += k
+        return items
 
     def _grant_to_hungry(self) -> None:
         share = max(1, self.capacity // max(1, len(self._granted)))
@@ -349,6 +395,8 @@ class ChannelReceiver:
         try:
             if not frames:
                 raise protocols.ProtocolError("data message without a header frame")
+            if isinstance(frames[0], _MalformedBatch):
+                raise protocols.ProtocolError(f"malformed batch message: {frames[0].reason}")
             header = protocols.decode(frames[0].buffer, self.message_type)
             specs = getattr(header, "tensors", [])
             tensors = frames_to_tensors(specs, [frame.buffer for frame in frames[1:]])
@@ -365,6 +413,8 @@ class ChannelSender:
     Concurrent ``send`` calls on one sender are served in call order (an asyncio.Lock is FIFO), so a
     receiver sees one sender's messages in the order they were sent.
     """
+
+    coalesce = True  # False: each item goes out at once in a message of its own (benchmarks/tail_bench.py's baseline)
 
     def __init__(
         self,
@@ -400,6 +450,10 @@ class ChannelSender:
         self._lock = asyncio.Lock()
         self._closed = False
         self._closed_signal: asyncio.Future | None = None
+        self._queued: list[tuple[bytes, list]] = []  # credited items not yet handed to the socket (coalescing)
+        self._flush_scheduled = False
+        self._send_error: BaseException | None = None  # a failed socket send, raised by the next send
+        self.messages_sent = 0  # ZeroMQ data/batch messages (items per message = items sent / this)
 
     def __repr__(self) -> str:
         return f"ChannelSender({self.address!r}, name={self.name!r}, rank={self.rank}, credits={self.credits})"
@@ -410,7 +464,8 @@ class ChannelSender:
         tensors: dict[str, torch.Tensor] | None = None,
         timeout: float | None = None,
     ) -> None:
-        """Wait for a credit (at most ``timeout`` seconds), then send ``header`` and ``tensors``.
+        """Wait for a credit (at most ``timeout`` seconds), then queue ``header`` and ``tensors``: they go
+        out with every other item queued in this turn of the event loop, as one message (module docstring).
 
         ``header.tensors`` is filled here from ``tensors``. Do not modify a sent tensor in place: its
         bytes go out zero-copy and, over inproc, the receiver may view the same memory.
@@ -435,6 +490,7 @@ class ChannelSender:
         ChannelClosed. Idempotent."""
         if self._closed:
             return
+        self._flush(blocking_api=True)  # credited items still queued go out before the bye
         self._closed = True
         if self._closed_signal is not None and not self._closed_signal.done():
             try:
@@ -478,12 +534,56 @@ class ChannelSender:
             ) from None
         try:
             self._check_open("send")
-            while self.credits == 0:
-                await self._await_credit(deadline, timeout)
+            self._raise_send_error()
+            if self.credits == 0:
+                self._flush()  # what is queued goes first: the receiver returns credits only for what it got
+                while self.credits == 0:
+                    await self._await_credit(deadline, timeout)
             self.credits -= 1
-            await self._until(self._socket.send_multipart([DATA, header_bytes, *buffers], copy=False), math.inf)
+            self._queued.append((header_bytes, buffers))
+            if not self.coalesce:
+                self._flush()
+            elif not self._flush_scheduled:
+                self._flush_scheduled = True
+                loop.call_soon(self._flush)
         finally:
             self._lock.release()
+
+    def _flush(self, blocking_api: bool = False) -> None:
+        """Hand the queued items to the socket: one data message, or one batch message for several.
+        ``blocking_api``: through the plain socket API (no event loop needed: ``close``)."""
+        self._flush_scheduled = False
+        if not self._queued or self._closed:
+            return
+        items, self._queued = self._queued, []
+        if len(items) == 1:
+            header_bytes, buffers = items[0]
+            frames = [DATA, header_bytes, *buffers]
+        else:
+            frames = [BATCH, msgspec.msgpack.encode([1 + len(buffers) for _, buffers in items])]
+            for header_bytes, buffers in items:
+                frames += [header_bytes, *buffers]
+        self.messages_sent += 1
+        if blocking_api:
+            try:
+                zmq.Socket.send_multipart(self._socket, frames, zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:
+                log.warning("%s: %d item(s) queued at close could not be sent: %s", self._where(), len(items), exc)
+            return
+        sent = self._socket.send_multipart(frames, copy=False)
+        if sent.done():
+            self._note_send_result(sent)
+        else:  # the pipe is full (credits keep it far below the high-water mark): it completes later
+            sent.add_done_callback(self._note_send_result)
+
+    def _note_send_result(self, sent: asyncio.Future) -> None:
+        if not sent.cancelled() and sent.exception() is not None and self._send_error is None:
+            self._send_error = sent.exception()
+
+    def _raise_send_error(self) -> None:
+        if self._send_error is not None:
+            error = self._send_error
+            raise ChannelError(f"{self._where()}: an earlier send failed on the socket: {error!r}") from error
 
     async def _await_credit(self, deadline: float, timeout: float | None) -> None:
         loop = asyncio.get_running_loop()

@@ -1,7 +1,10 @@
 """RewardScorer and TeacherFetcher stages: each sample is scored as soon as its own generation ends.
 
 Scoring runs as one task per sample (bounded by ``reward.max_concurrency``), so a slow reward source
-overlaps generation instead of serialising it. A failed score fails that sample, counted with its
+overlaps generation instead of serialising it. Samples that are already waiting together in the reward
+stage's inbox (a decode block that finishes many at once) are scored by one task and one scorer call, at
+most ``SCORE_BATCH`` of them: per sample, a task, a thread hand-off and a message each were most of the
+host time after the decode (benchmarks/NOTES.md v15). A failed score fails that sample, counted with its
 reason; under ``fail_fast`` it stops the run.
 """
 
@@ -13,6 +16,8 @@ import time
 
 from protocols import Completion, Control, RewardItem, ScoredSample
 from streamrft.runtime.stage import Stage, StageContext, StageError
+
+SCORE_BATCH = 64  # samples scored by one call at most (a remote source gets requests of at most this many)
 
 
 class _ConcurrentStage(Stage):
@@ -35,18 +40,51 @@ class _ConcurrentStage(Stage):
         if self.failure is not None and self.failure.done():
             raise self.failure.exception()
 
+    batch_limit = 1  # items handled together by one task (RewardScorerStage: SCORE_BATCH)
+
     async def run(self) -> None:
         """Like Stage.run, but an item task that fails stops the stage at once, not at the next message."""
         self.failure = asyncio.get_running_loop().create_future()
+        held = None  # a control message read while collecting a batch: handled right after it
         while True:
-            if self.inbox.qsize() and not self.failure.done():
+            if held is not None:
+                (header, tensors), held = held, None
+            elif self.inbox.qsize() and not self.failure.done():
                 # a message is already here: take it without a task and a wait (bursts: a whole step's
                 # samples can arrive at once)
                 header, tensors = await self.recv()
             else:
                 header, tensors = await self._recv_or_fail()
-            if await self.handle(header, tensors):
-                return
+            if isinstance(header, Control) or self.batch_limit == 1:
+                if await self.handle(header, tensors):
+                    return
+                continue
+            batch = [(header, tensors)]
+            while len(batch) < self.batch_limit and self.inbox.qsize() and not self.failure.done():
+                item = await self.recv()
+                if isinstance(item[0], Control):
+                    held = item
+                    break
+                batch.append(item)
+            await self.handle_batch(batch)
+
+    async def handle_batch(self, batch: list) -> None:
+        """Several items already waiting together, in one task (stages with ``batch_limit`` > 1)."""
+        self._reap()
+        await self.slots.acquire()
+        task = asyncio.create_task(self._process_batch_released(batch), name=f"{self.name}-batch")
+        task.add_done_callback(self._on_item_done)
+        self.tasks.add(task)
+
+    async def _process_batch_released(self, batch: list) -> None:
+        try:
+            await self.process_batch(batch)
+        finally:
+            self.slots.release()
+
+    async def process_batch(self, batch: list) -> None:
+        for header, tensors in batch:
+            await self.process(header, tensors)
 
     async def _recv_or_fail(self):
         """The next message, or the first item task's exception, whichever comes first."""
@@ -100,28 +138,34 @@ def _images_of(completion: Completion) -> list[str]:
 
 class RewardScorerStage(_ConcurrentStage):
     name = "reward"
+    batch_limit = SCORE_BATCH
 
     def __init__(self, ctx: StageContext, inbox, outbox, scorer, max_concurrency: int):
         super().__init__(ctx, inbox, outbox, max_concurrency)
         self.scorer = scorer
 
     async def process(self, completion: Completion, tensors) -> None:
+        await self.process_batch([(completion, tensors)])
+
+    async def process_batch(self, batch: list[tuple[Completion, dict]]) -> None:
         started = time.perf_counter()
-        if completion.error:  # failed before scoring (an environment that raised): counted downstream, not scored
-            await self.outbox.send(ScoredSample(completion=completion, reward=0.0, status="failed",
-                                                fail_reason=completion.error), tensors, timeout=self.ctx.stage_timeout_s)
-            return
-        item = RewardItem(
-            sample_id=completion.sample_id,
-            prompt=completion.prompt_text,
-            response=completion.response_text,
-            reference=completion.reference,
-            label=completion.label,
-            images=_images_of(completion),
-            columns=completion.columns,
-            media=list(completion.media),  # by reference: a media reward model reads the files (hash-checked)
-        )
-        (outcome,) = await self.scorer.score([item], step=completion.step)  # tallied for the failure policy
+        scored: list[ScoredSample | None] = [None] * len(batch)
+        by_step: dict[int, list[int]] = {}  # the failure policy tallies per train step (several may be in flight)
+        for i, (completion, _) in enumerate(batch):
+            if completion.error:  # failed before scoring (an environment that raised): counted downstream, not scored
+                scored[i] = ScoredSample(completion=completion, reward=0.0, status="failed",
+                                         fail_reason=completion.error)
+            else:
+                by_step.setdefault(completion.step, []).append(i)
+        for step, picked in by_step.items():
+            items = [_reward_item(batch[i][0]) for i in picked]
+            outcomes = await self.scorer.score(items, step=step)
+            for i, outcome in zip(picked, outcomes):
+                scored[i] = self._scored(batch[i][0], outcome, started)
+        for (_, tensors), sample in zip(batch, scored):
+            await self.outbox.send(sample, tensors, timeout=self.ctx.stage_timeout_s)
+
+    def _scored(self, completion: Completion, outcome, started: float) -> ScoredSample:
         error = outcome.error
         if not error and not math.isfinite(outcome.reward):
             error = f"non-finite reward {outcome.reward}"
@@ -136,7 +180,8 @@ class RewardScorerStage(_ConcurrentStage):
             # (docs/agents.md; batch estimators credit each at its turn's last model token instead)
             components["env_turns"] = float(sum(completion.turn_rewards))
             reward += components["env_turns"]
-        scored = ScoredSample(
+        self.observe_latency(started)
+        return ScoredSample(
             completion=completion,
             reward=reward,
             reward_components=components,
@@ -144,8 +189,19 @@ class RewardScorerStage(_ConcurrentStage):
             fail_reason=f"reward: {error}" if error else "",
             score_seconds=time.perf_counter() - started,
         )
-        self.observe_latency(started)
-        await self.outbox.send(scored, tensors, timeout=self.ctx.stage_timeout_s)
+
+
+def _reward_item(completion: Completion) -> RewardItem:
+    return RewardItem(
+        sample_id=completion.sample_id,
+        prompt=completion.prompt_text,
+        response=completion.response_text,
+        reference=completion.reference,
+        label=completion.label,
+        images=_images_of(completion),
+        columns=completion.columns,
+        media=list(completion.media),  # by reference: a media reward model reads the files (hash-checked)
+    )
 
 
 class TeacherFetcherStage(_ConcurrentStage):

@@ -18,6 +18,7 @@ import zmq.asyncio
 import protocols
 from protocols import Control, MicrobatchHeader, ProtocolError, ProtocolVersionError, TrajectoryRecord
 from streamrft.runtime.channels import (
+    BATCH,
     DATA,
     GRANT,
     HELLO,
@@ -427,3 +428,91 @@ def test_misaligned_frame_is_read_correctly():
     spec = protocols.TensorSpec("ids", "int64", (2, 2))
     got = frames_to_tensors([spec], [memoryview(storage)[1:]])["ids"]  # starts one byte off alignment
     assert torch.equal(got, values.reshape(2, 2))
+
+
+# -- coalescing: items sent in one turn of the event loop travel as one message -------------------------------------
+
+
+def _item(i: int) -> tuple[Control, dict[str, torch.Tensor]]:
+    return Control(signal=f"item{i}"), {"ids": torch.arange(i, i + 3), "logp": torch.full((2,), float(i))}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_items_sent_in_one_loop_turn_travel_as_one_message_in_order_with_their_tensors(harness, transport):
+    async def body():
+        rx = harness.receiver(harness.address(transport), 16)
+        tx = harness.sender(rx.address)
+        await tx.send(*_item(0), timeout=WAIT)  # the handshake
+        await rx.recv(WAIT)
+        before = tx.messages_sent
+        for i in range(1, 11):  # credits in hand: no send waits, so all ten are queued in this turn
+            await tx.send(*_item(i), timeout=WAIT)
+        got = [await rx.recv(WAIT) for _ in range(10)]
+        return tx.messages_sent - before, got
+
+    messages, got = harness.run(body)
+    assert messages == 1
+    assert [h.signal for h, _ in got] == [f"item{i}" for i in range(1, 11)]
+    for i, (_, tensors) in enumerate(got, start=1):
+        assert torch.equal(tensors["ids"], torch.arange(i, i + 3)) and torch.equal(tensors["logp"], torch.full((2,), float(i)))
+
+
+def test_a_sender_out_of_credits_sends_what_it_queued_before_waiting_so_nothing_deadlocks(harness):
+    async def body():
+        rx = harness.receiver(harness.address("inproc"), 3)
+        tx = harness.sender(rx.address)
+
+        async def produce():
+            for i in range(12):
+                await tx.send(*_item(i), timeout=WAIT)
+        producer = asyncio.create_task(produce())
+        got = [(await rx.recv(WAIT))[0].signal for _ in range(12)]
+        await producer
+        return got, tx.messages_sent, rx.peak_qsize
+
+    got, messages, peak = harness.run(body)
+    assert got == [f"item{i}" for i in range(12)] and messages < 12 and peak <= 3
+
+
+def test_closing_a_sender_sends_the_items_it_still_has_queued(harness):
+    async def body():
+        rx = harness.receiver(harness.address("inproc"), 8)
+        tx = harness.sender(rx.address)
+        await tx.send(*_item(0), timeout=WAIT)
+        for i in range(1, 4):
+            await tx.send(*_item(i), timeout=WAIT)
+        tx.close()  # before the loop turns: the three are still queued
+        return [(await rx.recv(WAIT))[0].signal for _ in range(4)]
+
+    assert harness.run(body) == ["item0", "item1", "item2", "item3"]
+
+
+@pytest.mark.parametrize("counts", [b"\xc1", msgspec.msgpack.encode([2, 2]), msgspec.msgpack.encode([0, 1]),
+                                    msgspec.msgpack.encode([])], ids=["not-msgpack", "too-few-frames", "zero", "empty"])
+def test_a_malformed_batch_is_a_protocol_error_at_recv_and_the_channel_keeps_working(harness, counts):
+    async def body():
+        rx = harness.receiver(harness.address("inproc"), 4)
+        raw = await raw_handshake(harness, rx.address)
+        await raw.send_multipart([BATCH, counts, protocols.encode(Control(signal="a")),
+                                  protocols.encode(Control(signal="b"))])
+        await raw.send_multipart([BATCH, msgspec.msgpack.encode([1, 1]), protocols.encode(Control(signal="c")),
+                                  protocols.encode(Control(signal="d"))])
+        with pytest.raises(ProtocolError) as caught:
+            await rx.recv(WAIT)
+        return str(caught.value), [(await rx.recv(WAIT))[0].signal for _ in range(2)]
+
+    message, after = harness.run(body)
+    assert "'inbox' rank 0" in message and "malformed batch" in message
+    assert after == ["c", "d"]
+
+
+def test_a_batch_beyond_the_peers_credits_is_dropped_whole_and_counted(harness):
+    async def body():
+        rx = harness.receiver(harness.address("inproc"), 2)
+        raw = await raw_handshake(harness, rx.address)  # granted 2
+        await raw.send_multipart([BATCH, msgspec.msgpack.encode([1, 1, 1]),
+                                  *[protocols.encode(Control(signal=s)) for s in "xyz"]])
+        await eventually(lambda: rx.uncredited_dropped == 3, "the uncredited batch to be dropped")
+        return rx.qsize()
+
+    assert harness.run(body) == 0
