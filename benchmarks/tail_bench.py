@@ -6,8 +6,8 @@ cumulative and by own time.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tail_bench.py --out /tmp/tail [--steps 6] [--profile /tmp/tail]
 
-``--baseline``: channels send every item in a message of its own (``ChannelSender.coalesce = False``, the
-behaviour before v15). ``--compare N``: N pairs of runs, baseline and current alternating, each in its own
+``--baseline``: the behaviour before v15: channels send every item in a message of its own
+(``ChannelSender.coalesce = False``) and the reward stage scores one sample per call (``batch_limit = 1``). ``--compare N``: N pairs of runs, baseline and current alternating, each in its own
 process; prints both medians and their ratios.
 """
 
@@ -45,8 +45,10 @@ def main() -> None:
         return compare(a.compare, out, a.steps)
     if a.baseline:
         from streamrft.runtime.channels import ChannelSender
+        from streamrft.runtime.scoring import RewardScorerStage
 
         ChannelSender.coalesce = False
+        RewardScorerStage.batch_limit = 1
     wl = gpu_grpo.workload(True)
     wl.update(prompts=64, samples=8, new=4, micro_batch=64)
     gpu_grpo.build_model("tiny", wl, out, "cpu")
