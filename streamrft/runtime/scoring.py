@@ -3,8 +3,8 @@
 Scoring runs as one task per sample (bounded by ``reward.max_concurrency``), so a slow reward source
 overlaps generation instead of serialising it. Samples that are already waiting together in the reward
 stage's inbox (a decode block that finishes many at once) are scored by one task and one scorer call, at
-most ``SCORE_BATCH`` of them: per sample, a task, a thread hand-off and a message each were most of the
-host time after the decode (benchmarks/NOTES.md v15). A failed score fails that sample, counted with its
+most ``SCORE_BATCH`` of them: a task, a thread hand-off and a message per sample were much of the event
+loop's time in the per-sample tail (benchmarks/tail_bench.py, NOTES.md v15). A failed score fails that sample, counted with its
 reason; under ``fail_fast`` it stops the run.
 """
 
@@ -23,6 +23,8 @@ SCORE_BATCH = 64  # samples scored by one call at most (a remote source gets req
 class _ConcurrentStage(Stage):
     """A stage that handles each sample in its own task and forwards end_of_step after they finish."""
 
+    batch_limit = 1  # items already waiting together that one task handles (RewardScorerStage: SCORE_BATCH)
+
     def __init__(self, ctx: StageContext, inbox, outbox, max_concurrency: int):
         super().__init__(ctx, inbox)
         self.outbox = outbox
@@ -39,8 +41,6 @@ class _ConcurrentStage(Stage):
             self.tasks.discard(task)
         if self.failure is not None and self.failure.done():
             raise self.failure.exception()
-
-    batch_limit = 1  # items handled together by one task (RewardScorerStage: SCORE_BATCH)
 
     async def run(self) -> None:
         """Like Stage.run, but an item task that fails stops the stage at once, not at the next message."""
