@@ -8,7 +8,7 @@ import torch
 from streamrft.config.model import ModelConfig
 from streamrft.config.train import TrainConfig
 from streamrft.learner.host_adamw import HostAdamW
-from streamrft.learner.optim import build_optimizer
+from streamrft.learner.optim import ShardLocalAdamW, build_optimizer
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
 
 
@@ -65,7 +65,8 @@ def test_fsdp2_full_finetune_matches_adamw_and_moments_stay_on_host(dist, tmp_pa
     strategies = [FSDP2Strategy(mcfg, TrainConfig(lr=1e-2, weight_decay=0.01, optimizer_offload=off), dist, 10)
                   for off in (True, False)]
     assert isinstance(strategies[0].optimizer, HostAdamW)
-    assert type(strategies[1].optimizer) is torch.optim.AdamW
+    # torch's AdamW update, on each DTensor's local shard (learner/optim.py)
+    assert type(strategies[1].optimizer) is ShardLocalAdamW and isinstance(strategies[1].optimizer, torch.optim.AdamW)
     ids = torch.tensor([[3, 5, 7, 9, 11, 4, 6, 8]])
     for s in strategies:
         for _ in range(3):
