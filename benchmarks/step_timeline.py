@@ -94,26 +94,9 @@ class Timeline:
         """Per train step, the GPU seconds of its microbatches' forward+backward and of its optimizer step
         (CUDA events recorded around each call; no synchronization added) next to their host seconds: a slow
         step whose GPU seconds match a fast one's waits on the host."""
-        import torch
-
         pending: list[tuple[str, float, object, object]] = []
-
-        def around(owner, attr: str, kind: str) -> None:
-            fn = getattr(owner, attr)
-
-            @functools.wraps(fn)
-            def timed(*a, **k):
-                start, ev0, ev1 = time.perf_counter(), torch.cuda.Event(enable_timing=True), \
-                    torch.cuda.Event(enable_timing=True)
-                ev0.record()
-                out = fn(*a, **k)
-                ev1.record()
-                pending.append((kind, time.perf_counter() - start, ev0, ev1))
-                return out
-            setattr(owner, attr, timed)
-
-        around(strategy, "forward_backward", "fb")
-        around(strategy, "step", "opt")
+        time_calls(strategy, "forward_backward", "fb", pending)
+        time_calls(strategy, "step", "opt", pending)
         train = actor.train_step
         count = [0]
 
@@ -123,11 +106,10 @@ class Timeline:
             out = train(*a, **k)
             sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
             for kind, host_s, ev0, ev1 in pending:
-                ev1.synchronize()
                 row = sums[kind]
                 row[0] += 1
                 row[1] += host_s
-                row[2] += ev0.elapsed_time(ev1) / 1e3
+                row[2] += gpu_seconds(ev0, ev1)
             span = pending[0][2].elapsed_time(pending[-1][3]) / 1e3 if pending else 0.0
             self.learner.append({"step": count[0], "gpu_span_s": round(span, 4),
                                  **{f"{k}_{name}": round(v, 4) if name != "n" else v for k, row in sums.items()
@@ -138,37 +120,18 @@ class Timeline:
 
     def watch_optimizer_step(self, strategy, interval_s: float = 0.005) -> None:
         """Inside each ``strategy.step``: the host and GPU seconds of its parts (grad norm, AdamW step, zero_grad;
-        not the LR schedule's, whose state dict holds its attributes), and every ``interval_s`` the innermost frames of every thread (a sampling profiler: a
-        thread that holds the GIL or the driver while the training thread waits shows up beside it)."""
+        not the LR schedule's, whose state dict holds its attributes), and every ``interval_s`` the innermost
+        frames of every thread (a sampling profiler: a thread that holds the GIL or the driver while the training
+        thread waits shows up beside it)."""
         import sys
         import threading
 
-        import torch
-
-        cuda = torch.cuda.is_available()
         state = {"step": 0, "train_thread": None}
-        parts: list[tuple[int, str, float, object, object]] = []
+        parts: list[tuple[str, float, object, object]] = []
 
-        def timed(owner, attr: str, name: str) -> None:
-            fn = getattr(owner, attr)
-
-            @functools.wraps(fn)
-            def inner(*a, **k):
-                start = time.perf_counter()
-                ev0, ev1 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda \
-                    else (None, None)
-                if cuda:
-                    ev0.record()
-                out = fn(*a, **k)
-                if cuda:
-                    ev1.record()
-                parts.append((state["step"], name, time.perf_counter() - start, ev0, ev1))
-                return out
-            setattr(owner, attr, inner)
-
-        timed(strategy, "grad_norm", "grad_norm")
-        timed(strategy.optimizer, "step", "adamw")
-        timed(strategy.optimizer, "zero_grad", "zero_grad")
+        time_calls(strategy, "grad_norm", "grad_norm", parts)
+        time_calls(strategy.optimizer, "step", "adamw", parts)
+        time_calls(strategy.optimizer, "zero_grad", "zero_grad", parts)
         step = strategy.step
 
         @functools.wraps(step)
@@ -179,12 +142,9 @@ class Timeline:
                 return step(*a, **k)
             finally:
                 state["train_thread"] = None
-                for n, name, host_s, ev0, ev1 in parts:
-                    gpu_s = 0.0
-                    if cuda:
-                        ev1.synchronize()
-                        gpu_s = ev0.elapsed_time(ev1) / 1e3
-                    self.optimizer_parts.append((n, name, round(host_s, 4), round(gpu_s, 4)))
+                for name, host_s, ev0, ev1 in parts:
+                    self.optimizer_parts.append((state["step"], name, round(host_s, 4),
+                                                 round(gpu_seconds(ev0, ev1), 4)))
                 parts.clear()
         strategy.step = watched
 
@@ -250,6 +210,36 @@ class Timeline:
 
     def to_json(self) -> list:
         return sorted(self.events, key=lambda e: e[2])
+
+
+def time_calls(owner, attr: str, tag: str, out: list) -> None:
+    """Replace ``owner.attr`` by a version that appends (tag, host seconds, event, event) to ``out`` per call: CUDA
+    events recorded around the call on a GPU (no synchronization added), None otherwise."""
+    import torch
+
+    fn, cuda = getattr(owner, attr), torch.cuda.is_available()
+
+    @functools.wraps(fn)
+    def timed(*a, **k):
+        start = time.perf_counter()
+        ev0 = ev1 = None
+        if cuda:
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+        result = fn(*a, **k)
+        if cuda:
+            ev1.record()
+        out.append((tag, time.perf_counter() - start, ev0, ev1))
+        return result
+    setattr(owner, attr, timed)
+
+
+def gpu_seconds(ev0, ev1) -> float:
+    """The GPU stream time between two events of ``time_calls`` (0 without CUDA); waits for the second."""
+    if ev0 is None:
+        return 0.0
+    ev1.synchronize()
+    return ev0.elapsed_time(ev1) / 1e3
 
 
 def trace_summary(path: Path, top: int = 30) -> dict:

@@ -102,7 +102,7 @@ class HostSlab:
             if error is not None:
                 for done in locked:
                     unregister(done)
-                self.memory[offset:].zero_()  # the rest touched all the same
+                self.memory[offset + nbytes:].zero_()  # the chunks after this one touched all the same
                 warnings.warn(f"checkpoint staging on rank {rank}: page-locking {self.nbytes} bytes of host memory "
                               f"failed ({error}); saves copy from the GPU through pageable memory (slower)",
                               RuntimeWarning, stacklevel=3)

@@ -54,7 +54,7 @@ def _like(p: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
     return DTensor(host, spec, requires_grad=False)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds (a DTensor's local shard; the tensor itself otherwise). In-place ops on it
     update the parameter."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -81,14 +81,14 @@ class HostAdamW(torch.optim.Optimizer):
         cudaHostRegister, pins what is used. If registration fails the buffers stay pageable (correct, slower
         copies) and a warning says so."""
         params = [p for g in self.param_groups for p in g["params"]]
-        total = sum(_local(p).numel() for p in params)
-        cuda = _local(params[0]).is_cuda
+        total = sum(local_shard(p).numel() for p in params)
+        cuda = local_shard(params[0]).is_cuda
         self._flat = {key: torch.zeros(total, dtype=torch.float32) for key in MOMENTS}
         if cuda:
             self._pinned = [buf for buf in self._flat.values() if _register(buf)]
         offset = 0
         for p in params:
-            loc = _local(p)
+            loc = local_shard(p)
             st = self.state[p]
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
             for key in MOMENTS:
@@ -117,8 +117,8 @@ class HostAdamW(torch.optim.Optimizer):
             st = self.state[p]
             for key in MOMENTS:
                 view = self._views[p][key]
-                if key in loaded and _local(loaded[key]).data_ptr() != _local(view).data_ptr():
-                    _local(view).copy_(_local(loaded[key]).to(torch.float32))
+                if key in loaded and local_shard(loaded[key]).data_ptr() != local_shard(view).data_ptr():
+                    local_shard(view).copy_(local_shard(loaded[key]).to(torch.float32))
                 st[key] = view
             if "step" in st:  # a CPU scalar of our own (torch keeps the caller's tensor)
                 st["step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float32).clone()
@@ -147,9 +147,9 @@ class HostAdamW(torch.optim.Optimizer):
                 work.append((group, p, self.state[p]))
         if not work:
             return loss
-        cuda = _local(work[0][1]).is_cuda
+        cuda = local_shard(work[0][1]).is_cuda
         if cuda and self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=_local(work[0][1]).device)
+            self._copy_stream = torch.cuda.Stream(device=local_shard(work[0][1]).device)
         nxt = self._fetch(work[0][1], work[0][2], cuda)
         for i, (group, p, st) in enumerate(work):
             m, v, ready = nxt
@@ -165,12 +165,12 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _fetch(self, p: torch.Tensor, st: dict, cuda: bool):
         """Device copies of ``p``'s moments (issued on the copy stream on CUDA) and the event marking them ready."""
-        dev = _local(p).device
+        dev = local_shard(p).device
         if not cuda:
-            return _local(st["exp_avg"]).clone(), _local(st["exp_avg_sq"]).clone(), None
+            return local_shard(st["exp_avg"]).clone(), local_shard(st["exp_avg_sq"]).clone(), None
         with torch.cuda.stream(self._copy_stream):
-            m = _local(st["exp_avg"]).to(dev, non_blocking=True)
-            v = _local(st["exp_avg_sq"]).to(dev, non_blocking=True)
+            m = local_shard(st["exp_avg"]).to(dev, non_blocking=True)
+            v = local_shard(st["exp_avg_sq"]).to(dev, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._copy_stream)
         # allocated on the copy stream, used on the compute stream: not reused before the update is done
@@ -180,21 +180,21 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _write_back(self, st: dict, m: torch.Tensor, v: torch.Tensor, cuda: bool) -> None:
         if not cuda:
-            _local(st["exp_avg"]).copy_(m)
-            _local(st["exp_avg_sq"]).copy_(v)
+            local_shard(st["exp_avg"]).copy_(m)
+            local_shard(st["exp_avg_sq"]).copy_(v)
             return
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(m.device))
         self._copy_stream.wait_event(done)
         with torch.cuda.stream(self._copy_stream):
-            _local(st["exp_avg"]).copy_(m, non_blocking=True)
-            _local(st["exp_avg_sq"]).copy_(v, non_blocking=True)
+            local_shard(st["exp_avg"]).copy_(m, non_blocking=True)
+            local_shard(st["exp_avg_sq"]).copy_(v, non_blocking=True)
 
     @staticmethod
     def _update(group: dict, p: torch.Tensor, st: dict, m: torch.Tensor, v: torch.Tensor) -> None:
         """torch.optim.AdamW's single-tensor update (amsgrad off, maximize off) on the local shard."""
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        param, grad = _local(p), _local(p.grad)
+        param, grad = local_shard(p), local_shard(p.grad)
         st["step"] += 1
         t = float(st["step"])
         if wd != 0:

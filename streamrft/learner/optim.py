@@ -60,10 +60,12 @@ class ShardLocalAdamW(torch.optim.AdamW):
             raise ValueError("ShardLocalAdamW.step takes no closure (the learner computes the loss itself)")
         from torch.optim.adam import adam
 
+        from streamrft.learner.host_adamw import local_shard
+
         for group in self.param_groups:
             lists: tuple[list, ...] = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max, steps
             has_complex = self._init_group(group, *lists)
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = ([_local(t) for t in ts] for ts in lists)
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = ([local_shard(t) for t in ts] for ts in lists)
             beta1, beta2 = group["betas"]
             adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
                  has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
@@ -72,13 +74,6 @@ class ShardLocalAdamW(torch.optim.AdamW):
                  grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
                  decoupled_weight_decay=True)
         return None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the same storage), any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def lr_factor(schedule: str, step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
