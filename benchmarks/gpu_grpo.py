@@ -266,6 +266,8 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     timeline.watch_host_staging()
     timeline.wrap(run.pipeline, "take", "rollout")
     timeline.wrap(run.actor, "train_step", "train")
+    # GPU_GRPO_PROFILE_ROLLOUT=k: a cProfile of the k-th rollout's event loop (rollout<k>_profile_*.txt in the run dir)
+    timeline.watch_rollout_parts(run.pipeline, int(os.environ.get("GPU_GRPO_PROFILE_ROLLOUT", "0")), run_dir)
     if cuda:
         timeline.watch_learner_gpu(run.strategy, run.actor)
         timeline.watch_gpu_clocks()
@@ -335,7 +337,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         # those steps' CUDA runtime calls per thread (a lock held by another thread slows the launches), and the run's
         # timeline: rollouts, train steps, garbage collections, the checkpoint stager's slabs and page-locking calls
         "train_traces": train_diag["traces"], "timeline": timeline.to_json(),
-        "learner_gpu": timeline.learner, "gpu_clocks": timeline.clocks,
+        "learner_gpu": timeline.learner, "gpu_clocks": timeline.clocks, "rollout_loop_cpu_s": timeline.loop_cpu,
         "optimizer_parts": timeline.optimizer_parts, "optimizer_stacks": timeline.stack_summary(),
         # cold: compile_cache_dir was empty when this run started; the Inductor FX-graph cache's hits/misses
         "cache": cache, "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},

@@ -31,6 +31,8 @@ class Timeline:
         self.clocks: list[tuple[float, float, float]] = []  # (seconds, SM clock MHz, board watts)
         self.optimizer_parts: list[tuple] = []  # (train step, part, host s, GPU s)
         self.stacks: dict[tuple, int] = {}  # (train step, thread, innermost frames) -> samples
+        self.calls: dict[str, list[tuple[float, float]]] = defaultdict(list)  # kind -> (start, end) of each call
+        self.loop_cpu: list[float] = []  # per rollout, the event loop thread's CPU seconds (watch_rollout_parts)
         self._stopped = False
 
     def add(self, kind: str, label: str, start: float, seconds: float) -> None:
@@ -63,6 +65,93 @@ class Timeline:
             finally:
                 add(kind, str(count[0]), start, time.perf_counter() - start)
         setattr(owner, attr, timed)
+
+    def count(self, owner, attr: str, kind: str) -> None:
+        """Record every call of ``owner.attr`` (sync or async), for calls made hundreds of times a rollout (one per
+        sample): ``to_json`` gives one ``kind`` event per burst (calls less than ``BURST_GAP_S`` apart), labelled
+        with the burst's call count and total seconds inside the calls."""
+        fn, spans = getattr(owner, attr), self.calls[kind]
+
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def counted_async(*a, **k):
+                start = time.perf_counter()
+                try:
+                    return await fn(*a, **k)
+                finally:
+                    spans.append((start, time.perf_counter()))
+            setattr(owner, attr, counted_async)
+            return
+
+        @functools.wraps(fn)
+        def counted(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spans.append((start, time.perf_counter()))
+        setattr(owner, attr, counted)
+
+    BURST_GAP_S = 0.2
+
+    def _bursts(self) -> list[tuple[str, str, float, float]]:
+        out = []
+        for kind, spans in self.calls.items():
+            spans = sorted(spans)
+            i = 0
+            while i < len(spans):
+                first, last, inside, j = spans[i][0], spans[i][1], 0.0, i
+                while j < len(spans) and spans[j][0] - last <= self.BURST_GAP_S:
+                    last, inside, j = max(last, spans[j][1]), inside + spans[j][1] - spans[j][0], j + 1
+                out.append((kind, f"{j - i} calls, {inside:.3f} s inside", round(first - self.t0, 4),
+                            round(last - first, 4)))
+                i = j
+        return out
+
+    def watch_rollout_parts(self, pipeline, profile_take: int = 0, profile_dir: Path | None = None) -> None:
+        """Where a rollout's seconds go after the decode: the static decoder's set-up, prefill and capture, the
+        decode's block waits (their last end is the decode's end), then per stage the bursts of per-sample calls
+        (generator sends, reward batches, advantage and learner-feed handling). Per ``pipeline.take`` the event
+        loop's own CPU seconds (``loop_cpu``: the per-sample tail's work; the engine's GPU waits run in worker
+        threads), and with ``profile_take`` = k a cProfile of the k-th take's event loop in ``profile_dir``."""
+        import cProfile
+        import io
+        import pstats
+
+        import streamrft.engines.hf_fast as hf_fast
+        from streamrft.runtime.advantage_stage import AdvantageStage
+        from streamrft.runtime.feed import LearnerFeed
+        from streamrft.runtime.generator import Generator
+        from streamrft.runtime.scoring import RewardScorerStage
+
+        for attr in ("__init__", "prefill", "capture"):
+            self.wrap(hf_fast.StaticDecoder, attr, f"decoder_{attr.strip('_')}")
+        self.count(hf_fast._BlockReadback, "wait", "decode_block_waits")
+        self.count(Generator, "_send", "generator_sends")
+        self.count(RewardScorerStage, "process_batch", "reward_batches")
+        self.count(AdvantageStage, "handle", "advantage_handles")
+        self.count(LearnerFeed, "handle", "feed_handles")
+        take, self.loop_cpu = pipeline.take, []
+
+        @functools.wraps(take)
+        async def measured(*a, **k):
+            n = len(self.loop_cpu) + 1
+            prof = cProfile.Profile() if n == profile_take else None
+            cpu = time.thread_time()
+            if prof is not None:
+                prof.enable()
+            try:
+                return await take(*a, **k)
+            finally:
+                if prof is not None:
+                    prof.disable()
+                self.loop_cpu.append(round(time.thread_time() - cpu, 4))
+                if prof is not None and profile_dir is not None:
+                    for key in ("cumulative", "tottime"):
+                        text = io.StringIO()
+                        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(60)
+                        (profile_dir / f"rollout{n}_profile_{key}.txt").write_text(text.getvalue())
+        pipeline.take = measured
 
     def watch_gc(self) -> None:
         def on_gc(phase: str, info: dict) -> None:
@@ -209,7 +298,7 @@ class Timeline:
             proc.terminate()
 
     def to_json(self) -> list:
-        return sorted(self.events, key=lambda e: e[2])
+        return sorted(self.events + self._bursts(), key=lambda e: e[2])
 
 
 def time_calls(owner, attr: str, tag: str, out: list) -> None:

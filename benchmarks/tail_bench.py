@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="folder for the cProfile of step 3's rollout")
     ap.add_argument("--baseline", action="store_true", help="one message per item on every channel")
     ap.add_argument("--compare", type=int, default=0, help="N alternating pairs of baseline and current runs")
+    ap.add_argument("--new", type=int, default=4, help="response tokens per sample (the GPU workload's: 512)")
+    ap.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per sample (the GPU workload's: 256)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +52,7 @@ def main() -> None:
         ChannelSender.coalesce = False
         RewardScorerStage.batch_limit = 1
     wl = gpu_grpo.workload(True)
-    wl.update(prompts=64, samples=8, new=4, micro_batch=64)
+    wl.update(prompts=64, samples=8, new=a.new, prompt_len=a.prompt_len, micro_batch=64)
     gpu_grpo.build_model("tiny", wl, out, "cpu")
     # Every rollout's event-loop CPU seconds (the main thread's thread_time while waiting for the batch): the
     # engine's forwards run in worker threads (asyncio.to_thread), so this is the per-sample tail's own work,
