@@ -6,6 +6,14 @@ cumulative and by own time.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tail_bench.py --out /tmp/tail [--steps 6] [--profile /tmp/tail]
 
+``--tail-only``: the engine returns every sample at once (random tokens of ``--new`` length, drawn when the
+generate call starts, handed out row by row as the static-cache engine does) and the train step does nothing, so
+a rollout is the per-sample pipeline alone at the GPU workload's shape (``--new 512 --prompt-len 256``) without
+the CPU decoding it (~100 s a rollout here) or training on it.
+
+``--code DIR``: import ``streamrft`` and ``protocols`` from DIR (a ``git worktree`` of an older commit) with this
+harness; ``--compare N --code DIR`` alternates DIR's code (the baseline) and this tree's.
+
 ``--baseline``: the behaviour before v15: channels send every item in a message of its own
 (``ChannelSender.coalesce = False``) and the reward stage scores one sample per call (``batch_limit = 1``). ``--compare N``: N pairs of runs, baseline and current alternating, each in its own
 process; prints both medians and their ratios.
@@ -27,8 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_grpo  # noqa: E402  (it puts this tree first on sys.path; it imports streamrft only when it runs)
 
-import gpu_grpo  # noqa: E402
+if "--code" in sys.argv:  # before anything imports streamrft: the code under test comes from that tree
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--code") + 1]).resolve()))
 
 
 def main() -> None:
@@ -40,17 +50,21 @@ def main() -> None:
     ap.add_argument("--compare", type=int, default=0, help="N alternating pairs of baseline and current runs")
     ap.add_argument("--new", type=int, default=4, help="response tokens per sample (the GPU workload's: 512)")
     ap.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per sample (the GPU workload's: 256)")
+    ap.add_argument("--tail-only", action="store_true", help="an instant engine and an empty train step")
+    ap.add_argument("--code", default="", help="import streamrft from this tree (--compare: the baseline's)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.compare:
-        return compare(a.compare, out, a.steps)
+        return compare(a.compare, out, a)
     if a.baseline:
         from streamrft.runtime.channels import ChannelSender
         from streamrft.runtime.scoring import RewardScorerStage
 
         ChannelSender.coalesce = False
         RewardScorerStage.batch_limit = 1
+    if a.tail_only:
+        instant_engine_and_empty_train_step()
     wl = gpu_grpo.workload(True)
     wl.update(prompts=64, samples=8, new=a.new, prompt_len=a.prompt_len, micro_batch=64)
     gpu_grpo.build_model("tiny", wl, out, "cpu")
@@ -104,16 +118,43 @@ def main() -> None:
                       "gc2_s": [round(c, 3) for c in gc2]}))
 
 
-def compare(pairs: int, out: Path, steps: int) -> None:
+def instant_engine_and_empty_train_step() -> None:
+    """--tail-only: HFEngine.generate yields every request's sample as soon as it is called, and the actor's
+    train step returns at once: what is left of a rollout is the per-sample pipeline."""
+    import asyncio
+
+    import torch
+
+    from streamrft.engines.base import GeneratedSample
+    from streamrft.engines.hf import HFEngine
+    from streamrft.learner.actor import ActorUpdate
+
+    async def generate(self, requests, mm_inputs=None):
+        n = self.cfg.max_new_tokens
+        g = torch.Generator().manual_seed(requests[0].seed)
+        tokens_BN = torch.randint(3, 29, (len(requests), n), generator=g)
+        logp_BN = -torch.rand((len(requests), n), generator=g)
+        await asyncio.sleep(0)
+        for i, r in enumerate(requests):
+            yield GeneratedSample(request_id=r.request_id, response_ids=tokens_BN[i].tolist(),
+                                  logprobs=logp_BN[i].tolist(), finish_reason="length",
+                                  policy_version=self.policy_version, token_versions=[self.policy_version] * n)
+
+    HFEngine.generate = generate
+    ActorUpdate.train_step = lambda self, batch: {"loss": 0.0}
+
+
+def compare(pairs: int, out: Path, a) -> None:
     """Alternate baseline and current runs (each a fresh process) and print the medians and ratios."""
     import subprocess
 
     runs: dict[str, list[dict]] = {"baseline": [], "current": []}
     for i in range(pairs):
         for kind in ("baseline", "current"):
-            cmd = [sys.executable, __file__, "--out", str(out / f"{kind}{i}"), "--steps", str(steps)]
+            cmd = [sys.executable, __file__, "--out", str(out / f"{kind}{i}"), "--steps", str(a.steps),
+                   "--new", str(a.new), "--prompt-len", str(a.prompt_len)] + (["--tail-only"] if a.tail_only else [])
             if kind == "baseline":
-                cmd.append("--baseline")
+                cmd += ["--code", a.code] if a.code else ["--baseline"]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
             if done.returncode:
                 raise SystemExit(f"{kind} run {i} failed:\n{done.stderr[-3000:]}")
