@@ -11,12 +11,12 @@ kernels' compile, the LM head's torch.compile) are not in any metric. ``Stamps``
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import statistics
 import time
 from collections import defaultdict
 from typing import Callable
+
+from call_wrap import wrap_calls
 
 # The parent benchmark process puts its time.time() just before starting the worker here.
 LAUNCH_ENV = "STREAMRFT_BENCH_LAUNCH_T"
@@ -50,22 +50,7 @@ class Stamps:
 
     def wrap(self, owner, attr: str, key: str, sync: bool = True) -> None:
         """Replace ``owner.attr`` by a timed version (sync or async function, or method on a class)."""
-        fn = getattr(owner, attr)
-        timed_call = self._timed
-
-        if inspect.iscoroutinefunction(fn):
-            @functools.wraps(fn)
-            async def timed_async(*a, **k):
-                with timed_call(key, sync):
-                    return await fn(*a, **k)
-            setattr(owner, attr, timed_async)
-            return
-
-        @functools.wraps(fn)
-        def timed(*a, **k):
-            with timed_call(key, sync):
-                return fn(*a, **k)
-        setattr(owner, attr, timed)
+        wrap_calls(owner, attr, lambda: self._timed(key, sync))
 
     def to_json(self) -> dict:
         return {"marks": dict(self.marks), "calls": {k: list(v) for k, v in self.calls.items()}}

@@ -12,14 +12,16 @@ Used by benchmarks/gpu_grpo.py (``timeline`` and ``train_traces`` in results.jso
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import gzip
-import inspect
 import json
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from call_wrap import wrap_calls
 
 
 class Timeline:
@@ -40,57 +42,32 @@ class Timeline:
 
     def wrap(self, owner, attr: str, kind: str) -> None:
         """Record every call of ``owner.attr`` (sync or async) as one event labelled by its call count."""
-        fn = getattr(owner, attr)
         count = [0]
-        add = self.add
 
-        if inspect.iscoroutinefunction(fn):
-            @functools.wraps(fn)
-            async def timed_async(*a, **k):
-                count[0] += 1
-                start = time.perf_counter()
-                try:
-                    return await fn(*a, **k)
-                finally:
-                    add(kind, str(count[0]), start, time.perf_counter() - start)
-            setattr(owner, attr, timed_async)
-            return
-
-        @functools.wraps(fn)
-        def timed(*a, **k):
+        @contextlib.contextmanager
+        def event():
             count[0] += 1
-            start = time.perf_counter()
+            label, start = str(count[0]), time.perf_counter()
             try:
-                return fn(*a, **k)
+                yield
             finally:
-                add(kind, str(count[0]), start, time.perf_counter() - start)
-        setattr(owner, attr, timed)
+                self.add(kind, label, start, time.perf_counter() - start)
+        wrap_calls(owner, attr, event)
 
     def count(self, owner, attr: str, kind: str) -> None:
         """Record every call of ``owner.attr`` (sync or async), for calls made hundreds of times a rollout (one per
         sample): ``to_json`` gives one ``kind`` event per burst (calls less than ``BURST_GAP_S`` apart), labelled
         with the burst's call count and total seconds inside the calls."""
-        fn, spans = getattr(owner, attr), self.calls[kind]
+        spans = self.calls[kind]
 
-        if inspect.iscoroutinefunction(fn):
-            @functools.wraps(fn)
-            async def counted_async(*a, **k):
-                start = time.perf_counter()
-                try:
-                    return await fn(*a, **k)
-                finally:
-                    spans.append((start, time.perf_counter()))
-            setattr(owner, attr, counted_async)
-            return
-
-        @functools.wraps(fn)
-        def counted(*a, **k):
+        @contextlib.contextmanager
+        def span():
             start = time.perf_counter()
             try:
-                return fn(*a, **k)
+                yield
             finally:
                 spans.append((start, time.perf_counter()))
-        setattr(owner, attr, counted)
+        wrap_calls(owner, attr, span)
 
     BURST_GAP_S = 0.2
 
