@@ -104,9 +104,10 @@ def measure(model, kernels: str, prompts: list[list[int]], n_new: int, profile: 
                 ms_per_step=1000 * decode_s / (n_new - 1), generate_s=generate_s, peak_gib=peak, profile=table)
 
 
-def tune(sizes: list[str], batch: int, prompt_len: int, ctx: int, vocab: int) -> None:
-    """Kernel launch settings, each alone (triton.testing.do_bench, ms): attention at context ``ctx``,
-    race sampling over (batch, vocab) bf16 logits. The first row of each table is the default."""
+def tune(sizes: list[str], batch: int, prompt_len: int, ctx: int, vocab: int, groups: list[int] = (1,)) -> None:
+    """Kernel launch settings, each alone (triton.testing.do_bench, ms): attention at context ``ctx`` (per entry
+    of ``groups``: that many rows share each prompt's cache entry, as a GRPO group's samples do), race sampling
+    over (batch, vocab) bf16 logits. The first row of each table is the default."""
     import math
 
     from triton.testing import do_bench
@@ -114,27 +115,29 @@ def tune(sizes: list[str], batch: int, prompt_len: int, ctx: int, vocab: int) ->
     from streamrft.engines import triton_decode as tri
 
     dev = torch.device("cuda")
-    for size in sizes:
+    for size, g in [(size, g) for size in sizes for g in groups]:
         sh = SHAPES[size]
         n_h, n_kv = sh["num_attention_heads"], sh["num_key_value_heads"]
         d = sh["hidden_size"] // n_h
-        # distinct prompts of ``prompt_len`` slots, then ``ctx - prompt_len`` generated slots per row
-        pk = torch.randn(batch, n_kv, prompt_len, d, device=dev, dtype=torch.bfloat16)
+        # batch / g prompts of ``prompt_len`` slots, then ``ctx - prompt_len`` generated slots per row
+        pk = torch.randn(batch // g, n_kv, prompt_len, d, device=dev, dtype=torch.bfloat16)
         pv = torch.randn_like(pk)
         gk = torch.randn(batch, n_kv, ctx - prompt_len + 64, d, device=dev, dtype=torch.bfloat16)
         gv = torch.randn_like(gk)
         qkv = torch.randn(batch, (n_h + 2 * n_kv) * d, device=dev, dtype=torch.bfloat16)
         start = torch.zeros(batch, dtype=torch.int64, device=dev)
-        prompt_row = torch.arange(batch, device=dev)
+        prompt_row = torch.arange(batch, device=dev) // g
         step = torch.tensor([ctx - prompt_len], device=dev)
         pos = torch.full((batch,), ctx, device=dev)
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
-        kv_bytes = 2 * batch * n_kv * ctx * d * 2
-        for bn, warps, stages in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 2), (64, 2, 2),
-                                  (128, 4, 3), (256, 8, 2)]:
+        kv_bytes = 2 * batch * n_kv * ctx * d * 2  # as if every row read its own prompt slots (the floor's count)
+        default_warps = 2 if d <= 64 else 4
+        for bn, warps, stages in dict.fromkeys([(64, default_warps, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2),
+                                                (32, 4, 2), (64, 2, 2), (64, 2, 3), (64, 2, 4), (32, 2, 2), (32, 2, 3),
+                                                (128, 2, 2), (128, 4, 3), (256, 8, 2)]):
             ms = do_bench(lambda: tri.decode_attention(qkv, pk, pv, gk, gv, prompt_row, start, step, pos, inv_freq,
                                                        1.0, 1 / math.sqrt(d), n_h, n_kv, bn, warps, stages))
-            print(f"tune attention {size} ctx={ctx} block_n={bn} warps={warps} stages={stages}: {1000 * ms:.1f} us "
+            print(f"tune attention {size} groups={g} ctx={ctx} block_n={bn} warps={warps} stages={stages}: {1000 * ms:.1f} us "
                   f"= {kv_bytes / ms / 1e9:.2f} TB/s of KV read", flush=True)
         del pk, pv, gk, gv
     logits = torch.randn(batch, vocab, device=dev, dtype=torch.bfloat16)
@@ -158,10 +161,13 @@ def main() -> None:
     ap.add_argument("--groups", default="1",
                     help="samples per prompt, comma-separated (8 = a GRPO group: its rows share one prompt entry)")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--tune", action="store_true", help="time kernel launch settings first")
+    ap.add_argument("--tune", action="store_true", help="time kernel launch settings first (per --groups entry)")
+    ap.add_argument("--tune-only", action="store_true", help="stop after --tune")
     a = ap.parse_args()
     if a.tune:
-        tune(a.sizes.split(","), a.batch, a.prompt, a.prompt + a.new // 2, a.vocab)
+        tune(a.sizes.split(","), a.batch, a.prompt, a.prompt + a.new // 2, a.vocab, [int(g) for g in a.groups.split(",")])
+        if a.tune_only:
+            return
     ceil = measure_ceilings(torch.device("cuda"))
     bw, rate = ceil["copy_bytes_per_s"], ceil["bf16_flops_per_s"]
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s; "
