@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -104,7 +105,8 @@ def measure(model, kernels: str, prompts: list[list[int]], n_new: int, profile: 
                 ms_per_step=1000 * decode_s / (n_new - 1), generate_s=generate_s, peak_gib=peak, profile=table)
 
 
-def tune(sizes: list[str], batch: int, prompt_len: int, ctx: int, vocab: int, groups: list[int] = (1,)) -> None:
+def tune(sizes: list[str], batch: int, prompt_len: int, ctx: int, vocab: int, groups: list[int] = (1,),
+         rounds: int = 1) -> None:
     """Kernel launch settings, each alone (triton.testing.do_bench, ms): attention at context ``ctx`` (per entry
     of ``groups``: that many rows share each prompt's cache entry, as a GRPO group's samples do), race sampling
     over (batch, vocab) bf16 logits. The first row of each table is the default."""
@@ -132,12 +134,19 @@ def tune(sizes: list[str], batch: int, prompt_len: int, ctx: int, vocab: int, gr
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
         kv_bytes = 2 * batch * n_kv * ctx * d * 2  # as if every row read its own prompt slots (the floor's count)
         default_warps = 2 if d <= 64 else 4
-        for bn, warps, stages in dict.fromkeys([(64, default_warps, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2),
-                                                (32, 4, 2), (64, 2, 2), (64, 2, 3), (64, 2, 4), (32, 2, 2), (32, 2, 3),
-                                                (128, 2, 2), (128, 4, 3), (256, 8, 2)]):
-            ms = do_bench(lambda: tri.decode_attention(qkv, pk, pv, gk, gv, prompt_row, start, step, pos, inv_freq,
-                                                       1.0, 1 / math.sqrt(d), n_h, n_kv, bn, warps, stages))
-            print(f"tune attention {size} groups={g} ctx={ctx} block_n={bn} warps={warps} stages={stages}: {1000 * ms:.1f} us "
+        settings = list(dict.fromkeys([(64, default_warps, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2),
+                                       (32, 4, 2), (64, 2, 2), (64, 2, 3), (64, 2, 4), (32, 2, 2), (32, 2, 3),
+                                       (128, 2, 2), (128, 4, 3), (256, 8, 2)]))
+        times: dict[tuple, list[float]] = {k: [] for k in settings}
+        for r in range(rounds):  # the settings interleaved, each round in a fresh order: clock drift spreads evenly
+            for bn, warps, stages in random.Random(r).sample(settings, len(settings)):
+                times[(bn, warps, stages)].append(do_bench(lambda: tri.decode_attention(
+                    qkv, pk, pv, gk, gv, prompt_row, start, step, pos, inv_freq, 1.0, 1 / math.sqrt(d), n_h, n_kv, bn,
+                    warps, stages)))
+        for (bn, warps, stages), ms_all in times.items():
+            ms = statistics.median(ms_all)
+            print(f"tune attention {size} groups={g} ctx={ctx} block_n={bn} warps={warps} stages={stages}: "
+                  f"{1000 * ms:.1f} us (median of {rounds}; {', '.join(f'{1000 * t:.1f}' for t in ms_all)}) "
                   f"= {kv_bytes / ms / 1e9:.2f} TB/s of KV read", flush=True)
         del pk, pv, gk, gv
     logits = torch.randn(batch, vocab, device=dev, dtype=torch.bfloat16)
@@ -163,9 +172,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--tune", action="store_true", help="time kernel launch settings first (per --groups entry)")
     ap.add_argument("--tune-only", action="store_true", help="stop after --tune")
+    ap.add_argument("--tune-rounds", type=int, default=1, help="--tune: time every attention setting this many times")
     a = ap.parse_args()
     if a.tune:
-        tune(a.sizes.split(","), a.batch, a.prompt, a.prompt + a.new // 2, a.vocab, [int(g) for g in a.groups.split(",")])
+        tune(a.sizes.split(","), a.batch, a.prompt, a.prompt + a.new // 2, a.vocab, [int(g) for g in a.groups.split(",")],
+             a.tune_rounds)
         if a.tune_only:
             return
     ceil = measure_ceilings(torch.device("cuda"))
