@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import random
 import statistics
 import sys
@@ -105,6 +107,23 @@ def measure(model, kernels: str, prompts: list[list[int]], n_new: int, profile: 
                 ms_per_step=1000 * decode_s / (n_new - 1), generate_s=generate_s, peak_gib=peak, profile=table)
 
 
+@contextlib.contextmanager
+def attention_settings(spec: str):
+    """Inside, the Triton decode attention launches with ``spec`` (BLOCK_N/WARPS/STAGES; "default": as shipped)."""
+    from streamrft.engines import triton_decode as tri
+
+    if spec == "default":
+        yield
+        return
+    block_n, warps, stages = (int(x) for x in spec.split("/"))
+    shipped = tri.decode_attention
+    tri.decode_attention = functools.partial(shipped, block_n=block_n, num_warps=warps, num_stages=stages)
+    try:
+        yield
+    finally:
+        tri.decode_attention = shipped
+
+
 def tune(sizes: list[str], batch: int, prompt_len: int, ctx: int, vocab: int, groups: list[int] = (1,),
          rounds: int = 1) -> None:
     """Kernel launch settings, each alone (triton.testing.do_bench, ms): attention at context ``ctx`` (per entry
@@ -173,6 +192,9 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="time kernel launch settings first (per --groups entry)")
     ap.add_argument("--tune-only", action="store_true", help="stop after --tune")
     ap.add_argument("--tune-rounds", type=int, default=1, help="--tune: time every attention setting this many times")
+    ap.add_argument("--attention", default="default",
+                    help="the Triton decode attention's launch settings to decode with, comma-separated: default or "
+                         "BLOCK_N/WARPS/STAGES (e.g. default,32/2/3): one row each")
     a = ap.parse_args()
     if a.tune:
         tune(a.sizes.split(","), a.batch, a.prompt, a.prompt + a.new // 2, a.vocab, [int(g) for g in a.groups.split(",")],
@@ -198,10 +220,14 @@ def main() -> None:
             # a.batch rows, ``group`` consecutive rows per distinct prompt (the floor counts every row's
             # prompt slots, so a shared prompt can read fewer bytes than it)
             prompts = [distinct[i // group] for i in range(a.batch)]
-            for kernels in a.kernels.split(","):
-                r = measure(model, kernels, prompts, a.new, a.profile and kernels == "triton")
+            variants = [(k, att) for k in a.kernels.split(",")
+                        for att in (a.attention.split(",") if k == "triton" else ["default"])]
+            for kernels, att in variants:
+                with attention_settings(att):
+                    r = measure(model, kernels, prompts, a.new, a.profile and kernels == "triton")
                 base = base or r
-                lines.append(f"{size:5} {group:5} {kernels:7} {r['prefill_s']:9.3f} {r['capture_s']:9.3f} "
+                label = kernels if att == "default" else f"{kernels}:{att}"
+                lines.append(f"{size:5} {group:5} {label:7} {r['prefill_s']:9.3f} {r['capture_s']:9.3f} "
                              f"{r['decode_s']:8.3f} {r['ms_per_step']:7.2f} {r['generate_s']:10.3f} "
                              f"{r['peak_gib']:8.1f} {100 * dec_floor / r['decode_s']:7.1f} "
                              f"{100 * (pf + dec_floor) / r['generate_s']:8.1f} {base['generate_s'] / r['generate_s']:7.2f}x")
