@@ -152,8 +152,7 @@ def tune(sizes: list[str], batch: int, prompt_len: int, ctx: int, vocab: int, gr
         pos = torch.full((batch,), ctx, device=dev)
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
         kv_bytes = 2 * batch * n_kv * ctx * d * 2  # as if every row read its own prompt slots (the floor's count)
-        default_warps = 2 if d <= 64 else 4
-        settings = list(dict.fromkeys([(64, default_warps, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2),
+        settings = list(dict.fromkeys([tri.attention_launch(d), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2),
                                        (32, 4, 2), (64, 2, 2), (64, 2, 3), (64, 2, 4), (32, 2, 2), (32, 2, 3),
                                        (128, 2, 2), (128, 4, 3), (256, 8, 2)]))
         times: dict[tuple, list[float]] = {k: [] for k in settings}

@@ -295,14 +295,22 @@ def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, p
              mask=live_g[:, None])
 
 
+def attention_launch(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, pipeline stages) of the decode attention, from decode_bench.py on an H200 (B = 512, GRPO
+    groups of 8 sharing a prompt entry, context 512; benchmarks/NOTES.md v16): head_dim 64 (0.5B) 32-slot blocks,
+    2 warps, 3 stages — the whole decode 2.53 → 2.35 ms/step against v15's 64/2/2; head_dim 128 (1.5B) 64-slot
+    blocks, 4 warps, 2 stages (the fastest of 14 settings there, 64.6 µs/layer)."""
+    return (32, 2, 3) if head_dim <= 64 else (64, 4, 2)
+
+
 def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, gen_k: torch.Tensor,
                      gen_v: torch.Tensor, prompt_row_B: torch.Tensor, start_B: torch.Tensor, step: torch.Tensor,
                      pos_B: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, sm_scale: float, n_heads: int,
-                     n_kv: int, block_n: int = 64, num_warps: int = 0, num_stages: int = 2) -> torch.Tensor:
-    """Launch settings from decode_bench.py --tune on an H200 (B=512, context 512): 64-slot blocks; 2 warps
-    for head_dim 64 (46 µs/layer against 58 µs with 4), 4 warps for 128."""
+                     n_kv: int, block_n: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
+    """Launch settings (0: ``attention_launch``'s for the head size)."""
     B, d = qkv_BX.shape[0], gen_k.shape[-1]
-    num_warps = num_warps or (2 if d <= 64 else 4)
+    default_block_n, default_warps, default_stages = attention_launch(d)
+    block_n, num_warps, num_stages = block_n or default_block_n, num_warps or default_warps, num_stages or default_stages
     for name, t in (("prompt_k", prompt_k), ("prompt_v", prompt_v), ("gen_k", gen_k), ("gen_v", gen_v)):
         if t.stride(-1) != 1:
             raise ValueError(f"decode_attention: {name} must be contiguous in the head dimension")
@@ -320,4 +328,4 @@ def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
     return out
 
 
-__all__ = ["add_rmsnorm", "decode_attention", "race_sample", "silu_mul"]
+__all__ = ["add_rmsnorm", "attention_launch", "decode_attention", "race_sample", "silu_mul"]

@@ -66,6 +66,10 @@ def test_decode_attention_matches_the_reference(dtype, n_heads, n_kv, d):
         caches.append(cache)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    # every block size the launch table uses (attention_launch: 32 for head_dim <= 64, 64 above), whatever the default
+    for block_n in (32, 64):
+        other = tri.decode_attention(qkv, *[c.clone() for c in caches0], *args, block_n=block_n).float()
+        torch.testing.assert_close(other, outs[0], atol=tol, rtol=tol)
     # the token's k (rotated) and v land in generated slot step - 1 of every row; nothing else is written
     torch.testing.assert_close(caches[1][2].float(), caches[0][2].float(), atol=tol, rtol=tol)
     assert torch.equal(caches[1][3], caches[0][3])
