@@ -108,17 +108,15 @@ class Timeline:
         self.count(RewardScorerStage, "process_batch", "reward_batches")
         self.count(AdvantageStage, "handle", "advantage_handles")
         self.count(LearnerFeed, "handle", "feed_handles")
-        take, self.loop_cpu = pipeline.take, []
-
-        @functools.wraps(take)
-        async def measured(*a, **k):
+        @contextlib.contextmanager
+        def measured():
             n = len(self.loop_cpu) + 1
             prof = cProfile.Profile() if n == profile_take else None
             cpu = time.thread_time()
             if prof is not None:
                 prof.enable()
             try:
-                return await take(*a, **k)
+                yield
             finally:
                 if prof is not None:
                     prof.disable()
@@ -128,7 +126,7 @@ class Timeline:
                         text = io.StringIO()
                         pstats.Stats(prof, stream=text).sort_stats(key).print_stats(60)
                         (profile_dir / f"rollout{n}_profile_{key}.txt").write_text(text.getvalue())
-        pipeline.take = measured
+        wrap_calls(pipeline, "take", measured)
 
     def watch_gc(self) -> None:
         def on_gc(phase: str, info: dict) -> None:

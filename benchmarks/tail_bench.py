@@ -22,14 +22,11 @@ process; prints both medians and their ratios.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import gc
-import io
 import json
-import pstats
+import os
+import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,54 +65,33 @@ def main() -> None:
     wl = gpu_grpo.workload(True)
     wl.update(prompts=64, samples=8, new=a.new, prompt_len=a.prompt_len, micro_batch=64)
     gpu_grpo.build_model("tiny", wl, out, "cpu")
-    # Every rollout's event-loop CPU seconds (the main thread's thread_time while waiting for the batch): the
-    # engine's forwards run in worker threads (asyncio.to_thread), so this is the per-sample tail's own work,
-    # far less noisy on a shared machine than the wall time.
-    from streamrft.runtime.pipeline import Pipeline
-
-    take, cpu, gc2 = Pipeline.take, [], []
-    # Full (generation-2) collections inside each rollout: each one walks every tracked object not frozen, so
-    # objects made after Pipeline.launch froze the heap (a compile's graphs, guards and sympy expressions) make
-    # them slow; the seconds they took show in "gc2_s".
-    gc_started = [0.0]
-
-    def on_gc(phase, info):
-        if info["generation"] == 2 and gc2:
-            if phase == "start":
-                gc_started[0] = time.perf_counter()
-            else:
-                gc2[-1] += time.perf_counter() - gc_started[0]
-
-    gc.callbacks.append(on_gc)
-
-    async def timed_take(self, step, learner_version):
-        prof = cProfile.Profile() if a.profile and len(cpu) == 2 else None
-        t0 = time.thread_time()
-        gc2.append(0.0)
-        if prof is not None:
-            prof.enable()
-        try:
-            return await take(self, step, learner_version)
-        finally:
-            if prof is not None:
-                prof.disable()
-            cpu.append(time.thread_time() - t0)
-            if prof is not None:
-                for key in ("cumulative", "tottime"):
-                    s = io.StringIO()
-                    pstats.Stats(prof, stream=s).sort_stats(key).print_stats(45)
-                    (Path(a.profile) / f"profile_{key}.txt").write_text(s.getvalue())
-
-    Pipeline.take = timed_take
+    if a.profile:  # gpu_grpo's timeline profiles the third rollout's event loop into the run folder
+        os.environ["GPU_GRPO_PROFILE_ROLLOUT"] = "3"
     res = gpu_grpo.run_streamrft("tiny", wl, out, a.steps, fast=True)
     if "error" in res:
         raise SystemExit(res["error"])
+    if a.profile:
+        for key in ("cumulative", "tottime"):
+            shutil.copy(out / "run_tiny_streamrft" / f"rollout3_profile_{key}.txt", Path(a.profile) / f"profile_{key}.txt")
+    # Every rollout's event-loop CPU seconds (the timeline's rollout_loop_cpu_s: the main thread's thread_time while
+    # waiting for the batch): the engine's forwards run in worker threads (asyncio.to_thread), so this is the
+    # per-sample tail's own work, far less noisy on a shared machine than the wall time.
+    cpu = res["rollout_loop_cpu_s"]
     print(json.dumps({"rollout_s_median": res["rollout_s"], "step_s": res["step_s"],
                       "rollouts": [round(t, 3) for t in res["rollout_times"]],
                       # steps 2..N: the first builds the decoder; the profiled one (3rd) is left out
                       "loop_cpu_s_median": statistics.median(c for i, c in enumerate(cpu[1:], 1) if not (a.profile and i == 2)),
                       "loop_cpu_s": [round(c, 3) for c in cpu],
-                      "gc2_s": [round(c, 3) for c in gc2]}))
+                      "gc2_s": full_collections_per_rollout(res["timeline"])}))
+
+
+def full_collections_per_rollout(timeline: list) -> list[float]:
+    """Seconds of full (generation-2) collections inside each rollout, from the timeline: each one walks every
+    tracked object not frozen, so objects made after Pipeline.launch froze the heap (a compile's graphs, guards and
+    sympy expressions) make them slow."""
+    rollouts = [(start, start + seconds) for kind, _, start, seconds in timeline if kind == "rollout"]
+    collections = [(start, seconds) for kind, label, start, seconds in timeline if kind == "gc" and label == "gen2"]
+    return [round(sum(s for t, s in collections if a <= t <= b), 3) for a, b in rollouts]
 
 
 def instant_engine_and_empty_train_step() -> None:
