@@ -133,14 +133,19 @@ def first_step_table(rows: list[dict]) -> str:
     lines = ["first step, seconds (validate: the config check, which imports the learner's modules; roll1/train1: "
              "the first rollout and train step; N: steady median; capture: CUDA-graph capture + Triton decode "
              "compile; compile1: torch.compile's share of the first step (layers, LM head); t2r1: the switch back "
-             "to rollout that ends step 1; to_step1: launch to the end of the first train step)",
-             f"{'size':6} {'run':22} {'cache':5} " + " ".join(f"{c:>9}" for c, _ in COLUMNS) + "  inductor hit/miss"]
+             "to rollout that ends step 1; to_step1: launch to the end of the first train step; warm-up: the "
+             "compile warm-up child's outcome, its wall time from its start, and how long compile1 waited for it)",
+             f"{'size':6} {'run':22} {'cache':5} " + " ".join(f"{c:>9}" for c, _ in COLUMNS)
+             + "  inductor hit/miss  warm-up"]
     for r in rows:
         fs = r.get("first_step")
         if not fs:
             continue
         cells = " ".join(f"{'-':>9}" if fs.get(k) is None else f"{fs[k]:9.2f}" for _, k in COLUMNS)
         ind = r.get("inductor_cache", {})
+        warm = r.get("compile_warmup") or {}
+        warm_cell = (f"{warm.get('status', 'not waited')} {warm.get('wall_s', 0):.1f}s, waited {warm['waited_s']:.1f}s"
+                     if warm else "off")
         lines.append(f"{r['size']:6} {r['system']:22} {r.get('cache', '?'):5} {cells}  "
-                     f"{ind.get('fxgraph_cache_hit', 0)}/{ind.get('fxgraph_cache_miss', 0)}")
+                     f"{ind.get('fxgraph_cache_hit', 0)}/{ind.get('fxgraph_cache_miss', 0)}  {warm_cell}")
     return "\n".join(lines)

@@ -185,6 +185,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     from step_timeline import Timeline
     from streamrft.config import load_config, validate_config
     from streamrft.engines.base import GenerationRequest
+    from streamrft.learner import compile_warmup
     from streamrft.runtime.distributed import init_distributed
     from streamrft.runtime.driver import _shutdown, train_loop
 
@@ -231,6 +232,9 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     if cuda and placement == "async":
         # one GPU, two processes: the learner keeps to its share so the engine process's allocations fit too
         torch.cuda.set_per_process_memory_fraction(1.0 - ASYNC_ENGINE_SHARE - 0.05)
+    # as compose.train: the compile warm-up's child starts first (train.compile_warmup, learner/compile_warmup.py)
+    warmup = compile_warmup.start_compile_warmup(cfg)
+    stamps.mark("warmup_started")
     dist = init_distributed()
     stamps.mark("dist_ready")
     validate_config(cfg, dist.world_size)
@@ -300,6 +304,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         engine_s = asyncio.run(main())
     finally:
         timeline.stop()
+        compile_warmup.stop_compile_warmup()
     rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     # steady state: not the first step (warm-up) and not the last (it also writes the final checkpoint)
     steady = rows[1:-1] if len(rows) >= 3 else (rows[1:] or rows)
@@ -341,6 +346,9 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         "optimizer_parts": timeline.optimizer_parts, "optimizer_stacks": timeline.stack_summary(),
         # cold: compile_cache_dir was empty when this run started; the Inductor FX-graph cache's hits/misses
         "cache": cache, "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
+        # the compile warm-up's child (None: train.compile_warmup off): its result (status, its compiles and their
+        # seconds, its wall time from its start) and how long the first train step's compile waited for it
+        "compile_warmup": warmup and {**(warmup.result or {}), "waited_s": round(warmup.waited_s, 3)},
         "first_step": breakdown(stamps.marks, stamps.calls, rows[0] if rows else {}),
         "stamps": stamps.to_json(),
     }

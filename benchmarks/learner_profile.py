@@ -418,33 +418,6 @@ def write_trace(events: list[dict], path: Path, gpu: bool, limit_bytes: int = TR
 
 
 # ---------------------------------------------------------------- the worker ------------------------
-def synthetic_batch(B: int, P: int, R: int | list[int], vocab: int, samples: int, seed: int = 0):
-    """B ``TrainSample``s as the feed hands them to ``actor.train_step``: groups of ``samples`` per prompt;
-    every response ``R`` tokens long, or sample i's ``R[i]`` (the long-tailed workload)."""
-    lengths = R if isinstance(R, list) else [R] * B
-    import torch
-
-    from protocols.pipeline import Completion, ScoredSample
-    from streamrft.runtime.feed import TrainSample
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i, n in enumerate(lengths):
-        group, k = divmod(i, samples)
-        c = Completion(sample_id=f"g{group}-{k}", group_id=f"g{group}", step=0, prompt_index=group,
-                       sample_index=k, prompt_text="", response_text="", n_samples=samples, finish_reason="length",
-                       policy_version=0, prompt_len=P, response_len=n)
-        adv = float(torch.randn((), generator=g))
-        out.append(TrainSample(
-            header=ScoredSample(completion=c, reward=adv),
-            prompt_ids=torch.randint(3, vocab, (P,), generator=g),
-            response_ids=torch.randint(3, vocab, (n,), generator=g),
-            # a random-init model samples ~uniformly: log-probs near -log V (importance ratios near 1)
-            behaviour_logprobs=-math.log(vocab) + 0.01 * torch.randn(n, generator=g),
-            advantages=torch.full((n,), adv)))
-    return out
-
-
 def install_phase_ranges(actor, strategy) -> None:
     """record_function ranges around the phases of a train step (module docstring), on these instances."""
     import streamrft.learner.fsdp2 as fsdp2
@@ -481,6 +454,7 @@ def run_worker(size: str, wl: dict, out: Path, variant: str, overrides: list[str
     from streamrft.checkpoint import set_deterministic
     from streamrft.compile_cache import apply_compile_cache
     from streamrft.config import load_config, validate_config
+    from streamrft.learner.synthetic import synthetic_batch
     from streamrft.runtime.distributed import init_distributed
 
     cuda = torch.cuda.is_available()

@@ -173,9 +173,16 @@ def _build_sinks(cfg, dist, run_id):
 
 def train(cfg: Config) -> dict[str, float]:
     """Entry point of `streamrft train`: one call per rank (torchrun starts the ranks)."""
+    from streamrft.learner.compile_warmup import start_compile_warmup, stop_compile_warmup
     from streamrft.runtime.distributed import destroy_distributed, init_distributed
 
-    dist = init_distributed(timeout_s=cfg.rollout.stage_timeout_s)
+    # first: the child compiles the learner's graphs while the checks, the model load and the first rollout run
+    start_compile_warmup(cfg)
+    try:
+        dist = init_distributed(timeout_s=cfg.rollout.stage_timeout_s)
+    except BaseException:
+        stop_compile_warmup()
+        raise
     try:
         validate_config(cfg, dist.world_size)
         from streamrft.checkpoint.guard import check_resume
@@ -186,6 +193,7 @@ def train(cfg: Config) -> dict[str, float]:
 
         return asyncio.run(run_with_signals(run))
     finally:
+        stop_compile_warmup()
         destroy_distributed()
 
 

@@ -32,6 +32,11 @@ class TrainConfig(Section):
     # first step pays the compile, cached by compile_cache_dir), off on CPU (Inductor's C++ compile costs more than it
     # saves at CPU sizes); true compiles on CPU too
     compile_layers: Union[Literal["auto"], bool] = "auto"
+    # a child process compiles the learner's graphs on a one-layer copy of the model while the run starts (config
+    # checks, model load, engine set-up, first rollout), filling compile_cache_dir's caches so the first train step
+    # finds them warm (learner/compile_warmup.py); fsdp2 with text models. auto = on whenever the learner compiles
+    # (train.compile_layers or, on a GPU, train.compile_head); true = the same, and an error where nothing compiles
+    compile_warmup: Union[Literal["auto"], bool] = "auto"
     # fsdp2: false keeps each layer's gathered compute-dtype weights from its first forward of an optimizer step to
     # that step's last backward (gathered once per step, not twice per microbatch: the per-layer copies and their
     # host-side launches go), at the cost of the whole model's compute-dtype weights on every rank during training
@@ -68,3 +73,9 @@ def compile_layers_enabled(cfg: TrainConfig, device_type: str) -> bool:
     if cfg.compile_layers == "auto":
         return cfg.strategy == "fsdp2" and device_type == "cuda"
     return bool(cfg.compile_layers)
+
+
+def compile_warmup_enabled(cfg: TrainConfig, device_type: str) -> bool:
+    """train.compile_warmup resolved for a learner on ``device_type``: only where the learner compiles (fsdp2)."""
+    compiles = compile_layers_enabled(cfg, device_type) or compile_head_enabled(cfg.compile_head, device_type)
+    return cfg.compile_warmup is not False and cfg.strategy == "fsdp2" and compiles

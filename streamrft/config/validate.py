@@ -117,6 +117,18 @@ def validate_train(cfg) -> None:
                 f"train.activation_memory_budget={t.activation_memory_budget} applies to the compiled decoder layers, "
                 "and train.compile_layers=auto compiles them on a GPU only (this machine has none): set "
                 "train.compile_layers=true to compile them on the CPU, or leave the budget at 1")
+    if t.compile_warmup is True:
+        import torch
+
+        from streamrft.config.train import compile_warmup_enabled
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # the learner's device (runtime/distributed.py)
+        if not compile_warmup_enabled(t, device):
+            raise ConfigError(
+                f"train.compile_warmup=true warms the learner's compiles, and this learner compiles nothing on {device} "
+                f"(train.compile_layers={t.compile_layers}, train.compile_head={t.compile_head}: the head compiles on a "
+                "GPU only, the layers with train.compile_layers=true or auto on a GPU): set train.compile_layers=true "
+                "or leave train.compile_warmup at auto")
     if t.mini_batches_per_step < 1 or t.ppo_epochs < 1:
         raise ConfigError("train.mini_batches_per_step and train.ppo_epochs must be >= 1")
     if t.head_kernel not in HEAD_KERNELS:

@@ -62,6 +62,7 @@ VARIANT_KEYS: dict[str, tuple[str, tuple | str]] = {
     "train.optimizer_offload": ("train.strategy", ("fsdp2",)),  # DeepSpeed has its own offload
     "train.compile_layers": ("train.strategy", ("fsdp2",)),  # DeepSpeed's ZeRO hooks are not composed with it
     "train.reshard_after_forward": ("train.strategy", ("fsdp2",)),  # ZeRO-3 has its own (zero_stage)
+    "train.compile_warmup": ("train.strategy", ("fsdp2",)),  # it builds the learner through FSDP2Strategy
     "train.activation_memory_budget": ("train.compile_layers", ("auto", True)),  # a setting of the layer compile
     # rollout
     "rollout.engine_ranks": ("rollout.placement", ("async",)),

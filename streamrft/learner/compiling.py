@@ -41,6 +41,8 @@ from typing import Callable
 
 import torch
 
+from streamrft.learner.compile_warmup import wait_for_warmup
+
 FALLBACK_ERRORS = (torch._dynamo.exc.TorchDynamoException, ImportError)  # a compiler that cannot run here
 
 
@@ -175,6 +177,7 @@ class CompiledOrEager:
             try:
                 if self.compiled is None:
                     _wait_for_preload()
+                    wait_for_warmup()  # the compile warm-up's child fills the caches this compile reads
                     self.compiled = torch.compile(self.fn, **self.compile_kwargs)
                 _CompileScope.install()
                 outer, _CompileScope.active = _CompileScope.active, self

@@ -206,7 +206,10 @@ def _apply_freeze_prefix(model: torch.nn.Module, prefixes: list[str]) -> None:
 class FSDP2Strategy:
     """The learner backend for one policy model (see the module docstring)."""
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: DistInfo, total_steps: int):
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: DistInfo, total_steps: int,
+                 model: torch.nn.Module | None = None):
+        """``model``: a float32 model already built in place of loading ``model_cfg.path`` (the compile warm-up's
+        one-layer copy, learner/compile_warmup.py); the tokenizer and processor still come from the path."""
         from transformers import AutoTokenizer
 
         self.rank, self.world_size, self.device = dist.rank, dist.world_size, dist.device
@@ -214,7 +217,8 @@ class FSDP2Strategy:
         self.compute_dtype = _DTYPES[model_cfg.dtype]
         if self.compute_dtype != torch.float32 and dist.device.type == "cpu" and model_cfg.dtype == "float16":
             raise ValueError("model.dtype='float16' is not supported on CPU; use 'float32' or 'bfloat16'")
-        model = load_pretrained(model_cfg.path, model_cfg, torch.float32)  # fp32 master weights
+        if model is None:
+            model = load_pretrained(model_cfg.path, model_cfg, torch.float32)  # fp32 master weights
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_cfg.path, "model.path"))
         from streamrft.models.media_inputs import load_processor
         from streamrft.models.multimodal import check_packing

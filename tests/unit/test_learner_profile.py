@@ -291,7 +291,7 @@ def test_tiny_end_to_end_on_cpu(tmp_path):
 
 
 def test_synthetic_batch_takes_per_sample_lengths_for_the_long_tailed_workload():
-    from learner_profile import synthetic_batch
+    from streamrft.learner.synthetic import synthetic_batch
 
     batch = synthetic_batch(4, 3, [5, 1, 9, 2], vocab=50, samples=2)
     assert [len(s.response_ids) for s in batch] == [5, 1, 9, 2]

@@ -1,0 +1,260 @@
+"""The compile warm-up (``train.compile_warmup``): a child process compiles the learner's graphs while the run starts.
+
+Why: a cold first train step pays torch.compile's Dynamo trace, AOTAutograd and Inductor's kernel compiles of the
+decoder-layer graph and the LM head (12-14 s at 0.5B on an H200: benchmarks/NOTES.md v12), and that compile cannot
+start before the first rollout ends (the colocated engine generates with the learner's own modules). Every decoder
+layer runs ONE graph (learner/compiling.py), so a model of the same configuration with ONE layer compiles exactly
+the graphs the full model needs, and Inductor's FX-graph and AOTAutograd caches (on disk: ``compile_cache_dir``)
+hand them to any process whose graph, input metadata, settings and device match. The child builds that one-layer
+model through the learner's own code (``FSDP2Strategy``, ``ActorUpdate.train_step`` on a synthetic batch of the
+run's lengths), so its graphs are the run's. It starts before the config checks, the model load, the engine's
+set-up and the first rollout, and the learner's first compile waits for it (``wait_for_warmup``), then finds the
+caches warm.
+
+- One child per rank, on the rank's own device: the device index is part of Inductor's cache key.
+- Only a cache warmer: a child that fails or outlives ``WARMUP_TIMEOUT_S`` costs one warning naming the rank and
+  its log (``output_dir/compile_warmup/``), and the learner compiles as it would have; no result of the run
+  depends on it. The child is killed when the run ends.
+- Memory: while it runs, the child holds the one-layer copy (embeddings and LM head in float32 with their gradients
+  and AdamW moments) on the rank's device.
+- Multimodal models are skipped (their vision or audio tower has graphs of its own): the child says so and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WARMUP_TIMEOUT_S = 600.0  # the first compile waits at most this long for the child, then kills it and compiles itself
+LOG_TAIL_CHARS = 2000  # of the child's log, quoted in the warning when it failed
+
+# Variables a launcher (torchrun) sets for a rank of a process group: the child is a one-process group of its own.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                  "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+                  "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+_ACTIVE: "CompileWarmup | None" = None  # this process's warm-up, started by start_compile_warmup
+
+
+@dataclass
+class CompileWarmup:
+    """One rank's warm-up child: its process, where it writes its result and its log, and what came of it."""
+
+    proc: subprocess.Popen
+    result_path: Path
+    log_path: Path
+    rank: int
+    started: float = field(default_factory=time.monotonic)
+    result: dict | None = None  # the child's result once waited for (status ok | skipped | failed | timeout)
+    waited_s: float = 0.0  # how long the first compile waited for it
+
+    def wait(self, timeout_s: float = WARMUP_TIMEOUT_S) -> dict:
+        """Wait for the child (at most ``timeout_s``, then kill it); its result, reported once."""
+        if self.result is not None:
+            return self.result
+        t0 = time.monotonic()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            self.result = {"status": "timeout", "reason": f"still running after {timeout_s:g} s of waiting"}
+        self.waited_s = time.monotonic() - t0
+        if self.result is None:
+            self.result = self._read_result()
+        self.result.setdefault("wall_s", round(time.monotonic() - self.started, 3))
+        self._report()
+        return self.result
+
+    def _read_result(self) -> dict:
+        try:
+            result = json.loads(self.result_path.read_text())
+        except (OSError, ValueError):
+            result = {"status": "failed", "reason": f"exited with code {self.proc.returncode} without a result"}
+        if self.proc.returncode != 0 and result.get("status") == "ok":
+            result = {"status": "failed", "reason": f"exited with code {self.proc.returncode}"}
+        return result
+
+    def _report(self) -> None:
+        r = self.result
+        head = f"compile warm-up (rank {self.rank}, {self.log_path})"
+        if r["status"] == "ok":
+            print(f"streamrft: {head}: {r['compiles']} graph compile(s) in {r['seconds']:.1f} s; the first train "
+                  f"step's compile waited {self.waited_s:.1f} s for it", flush=True)
+        elif r["status"] == "skipped":
+            print(f"streamrft: {head} skipped: {r['reason']}", flush=True)
+        else:
+            tail = _tail(self.log_path)
+            warnings.warn(f"{head} {r['status']}: {r['reason']}; the learner compiles without it (slower first "
+                          f"step, same results). Log tail:\n{tail}")
+
+    def stop(self) -> None:
+        """Kill the child and the compile workers it started (its own process group)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+def start_compile_warmup(cfg, device_type: str | None = None) -> CompileWarmup | None:
+    """Start this rank's warm-up child when ``train.compile_warmup`` resolves on (config/train.py); None otherwise.
+
+    Call it first thing, before the config checks and the model load (it only reads the config; a config that
+    fails its checks ends the run, and the child with it: ``stop_compile_warmup``)."""
+    global _ACTIVE
+    import msgspec
+    import torch
+
+    from streamrft.config.train import compile_warmup_enabled
+
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")  # as init_distributed decides
+    if _ACTIVE is not None or not compile_warmup_enabled(cfg.train, device_type):
+        return _ACTIVE
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    folder = Path(cfg.output_dir) / "compile_warmup"
+    stem = f"{socket.gethostname()}-{os.getpid()}"
+    result_path, log_path = folder / f"{stem}.json", folder / f"{stem}.log"
+    config_path = folder / f"{stem}.config.json"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        config_path.write_bytes(msgspec.json.encode(cfg))
+        result_path.unlink(missing_ok=True)
+    except OSError as exc:  # output_dir's own check names it next; the run goes on without a warm-up
+        warnings.warn(f"compile warm-up (rank {rank}) not started: {folder}: {exc}")
+        return None
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env["LOCAL_RANK"] = str(local_rank)  # the child's device: this rank's (the cache key names the device index)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "streamrft.learner.compile_warmup", str(config_path),
+                                 str(result_path), device_type], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    _ACTIVE = CompileWarmup(proc, result_path, log_path, rank)
+    return _ACTIVE
+
+
+def wait_for_warmup() -> dict | None:
+    """Called by the learner's first compile (learner/compiling.py): wait for this process's warm-up, if any."""
+    return None if _ACTIVE is None else _ACTIVE.wait()
+
+
+def active_warmup() -> CompileWarmup | None:
+    return _ACTIVE
+
+
+def stop_compile_warmup() -> None:
+    """At the end of the run (or its failure): kill a child still running and forget it."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.stop()
+        _ACTIVE = None
+
+
+# ---------------------------------------------------------------- the child ------------------------------------
+def one_layer_model(model_cfg):
+    """A float32 model of ``model.path``'s configuration with one decoder layer, randomly initialised (the graphs
+    depend on shapes and settings, not on weights); None for a multimodal model (module docstring)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from streamrft.learner.fsdp2 import _MULTIMODAL_CLASSES
+    from streamrft.models.hub import resolve_model_dir
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(model_cfg.path, "model.path"))
+    if getattr(config, "model_type", "") in _MULTIMODAL_CLASSES:
+        return None
+    config.num_hidden_layers = 1
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:1]
+    import torch
+
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                            attn_implementation=model_cfg.attn_implementation)
+
+
+def warm(cfg, device_type: str) -> dict:
+    """Compile what the learner's first train step compiles, on a one-layer copy (module docstring)."""
+    import torch
+
+    from streamrft.checkpoint import set_deterministic
+    from streamrft.compile_cache import apply_compile_cache
+    from streamrft.learner.actor import ActorUpdate
+    from streamrft.learner.compiling import compile_seconds, compiles_finished
+    from streamrft.learner.fsdp2 import FSDP2Strategy
+    from streamrft.learner.synthetic import synthetic_batch
+    from streamrft.runtime.distributed import all_reduce_sum, init_distributed
+
+    apply_compile_cache(cfg.compile_cache_dir)  # as compose.build_run, before anything compiles
+    torch.manual_seed(cfg.seed)
+    set_deterministic(cfg.train.deterministic)
+    model = one_layer_model(cfg.model)
+    if model is None:
+        return {"status": "skipped", "reason": "a multimodal model.path (its towers compile in the run)"}
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist = init_distributed(timeout_s=cfg.rollout.stage_timeout_s)
+    algo = cfg.algorithm
+    # the run's no-grad pass for a KL reward (ppo epochs and mini-batches: train_step below does theirs)
+    no_grad_pass = algo.kl_coef > 0 and algo.kl_mode == "reward"
+    # the losses and advantages run eagerly (no graph of theirs): no frozen reference, no critic, the group estimator
+    algo.kl_coef, algo.advantage_estimator = 0.0, "group_norm"
+    strategy = FSDP2Strategy(cfg.model, cfg.train, dist, total_steps=1, model=model)
+    actor = ActorUpdate(strategy, None, cfg, all_reduce_sum)
+    # Two samples of the run's longest response, or shorter where two would not fit one microbatch: the graph is
+    # compiled for rows and tokens as symbols (any later size reuses it), but a dimension first seen as 1 would
+    # be specialised to 1, and two equal sizes would share one symbol (Dynamo's duck sizing): 2 rows, more tokens.
+    prompt_len = 3
+    response_len = max(1, min(cfg.engine.max_new_tokens, cfg.train.micro_batch_tokens // 2 - prompt_len))
+    vocab = model.config.get_text_config().vocab_size
+    batch = synthetic_batch(2, prompt_len, response_len, vocab, 2, cfg.seed)
+    t0, compiles0 = time.perf_counter(), compiles_finished()
+    actor.train_step(batch)
+    if no_grad_pass:  # a forward-only graph of its own
+        strategy.compute_logprobs(actor._microbatches(batch)[0], actor.temperature)
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    return {"status": "ok", "seconds": round(time.perf_counter() - t0, 3), "compiles": compiles_finished() - compiles0,
+            "compile_seconds": round(compile_seconds(), 3)}
+
+
+def main(argv: list[str]) -> int:
+    config_path, result_path, device_type = argv
+    import msgspec
+
+    from streamrft.config import Config
+
+    try:
+        cfg = msgspec.json.decode(Path(config_path).read_bytes(), type=Config)
+        result = warm(cfg, device_type)
+    except BaseException as exc:  # noqa: BLE001 - reported to the run through the result file, then re-raised
+        _write_result(Path(result_path), {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
+        raise
+    _write_result(Path(result_path), result)
+    return 0
+
+
+def _write_result(path: Path, result: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)  # the run reads a whole result or none
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,129 @@
+"""train.compile_warmup (streamrft/learner/compile_warmup.py): a real child process compiles the decoder-layer graph
+on a one-layer copy of the model into compile_cache_dir, and a fresh learner of the full model (two layers, other
+lengths) then compiles that graph from the cache: Inductor's FX-graph cache hits, no miss. A child that fails or
+outlives its wait costs one warning naming the rank and its log; the key resolves only where the learner compiles.
+
+On this CPU the layers compile with Inductor's C++ backend (train.compile_layers=true), one compile thread."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from streamrft.config import load_config, validate_config
+from streamrft.config.base import ConfigError
+from streamrft.config.train import TrainConfig, compile_warmup_enabled
+from streamrft.learner import compile_warmup
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The run's learner, in a fresh process: the full model, one train step on a batch of other lengths than the
+# child's; prints Inductor's FX-graph cache counters and Dynamo's compiles.
+LEARNER = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from streamrft.compile_cache import apply_compile_cache
+from streamrft.config import load_config
+from streamrft.learner.actor import ActorUpdate
+from streamrft.learner.compiling import compiles_finished
+from streamrft.learner.fsdp2 import FSDP2Strategy
+from streamrft.learner.synthetic import synthetic_batch
+from streamrft.runtime.distributed import all_reduce_sum, init_distributed
+cfg = load_config(sys.argv[1])
+apply_compile_cache(cfg.compile_cache_dir)
+dist = init_distributed()
+strategy = FSDP2Strategy(cfg.model, cfg.train, dist, total_steps=2)
+actor = ActorUpdate(strategy, None, cfg, all_reduce_sum)
+actor.train_step(synthetic_batch(6, 5, 11, strategy.module.config.vocab_size, 3, seed=1))  # 4 rows of 16
+print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
+                  "compiles": compiles_finished()}))
+"""
+
+
+def _config(tmp_path, model_dir, **train) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "output_dir": str(tmp_path / "run"), "compile_cache_dir": str(tmp_path / "cache"),
+        "model": {"path": model_dir, "dtype": "float32", "attn_implementation": "sdpa"},
+        "engine": {"max_new_tokens": 6}, "reward": {"sources": [{"name": "correct", "type": "rule", "fn": "gsm8k"}]}, "rollout": {"n_samples_per_prompt": 2, "prompts_per_step": 2},
+        "train": {"compile_layers": True, "compile_head": False, "micro_batch_tokens": 64, **train}}))
+    return path
+
+
+@pytest.fixture
+def one_compile_thread(monkeypatch):
+    """Inductor's pool of C++ compile workers costs more than it saves on CI's 2 cores (test_compile_layers.py)."""
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def no_active_warmup():
+    yield
+    compile_warmup.stop_compile_warmup()
+
+
+def test_the_child_compiles_the_layer_graph_that_the_full_learner_then_reads_from_the_cache(
+        tmp_path, model_dir, one_compile_thread):
+    cfg_path = _config(tmp_path, model_dir)
+    cfg = load_config(cfg_path)
+    validate_config(cfg, 1, check_paths=False)
+    warm = compile_warmup.start_compile_warmup(cfg, "cpu")
+    assert warm is not None and warm.proc.pid != os.getpid()
+    assert compile_warmup.start_compile_warmup(cfg, "cpu") is warm  # one per process
+    result = compile_warmup.wait_for_warmup()
+    assert result["status"] == "ok", warm.log_path.read_text()[-3000:]
+    assert result["compiles"] >= 1  # the layer graph (forward and backward: one Dynamo compile)
+    assert json.loads(warm.result_path.read_text()) == {k: v for k, v in result.items() if k != "wall_s"}
+    assert any((tmp_path / "cache" / "inductor").rglob("*")), "the child wrote nothing into compile_cache_dir"
+    proc = subprocess.run([sys.executable, "-c", LEARNER, str(cfg_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    learner = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert learner["compiles"] >= 1 and learner["hit"] >= 1 and learner["miss"] == 0, learner
+
+
+def test_a_failing_child_costs_one_warning_naming_the_rank_and_its_log(tmp_path, model_dir):
+    cfg = load_config(_config(tmp_path, model_dir))
+    cfg.model.path = str(tmp_path / "no-such-model")  # the child cannot build the model
+    warm = compile_warmup.start_compile_warmup(cfg, "cpu")
+    with pytest.warns(UserWarning, match=r"compile warm-up \(rank 0, .*\.log\) failed: ValueError: model.path"):
+        result = warm.wait(timeout_s=300)
+    assert result["status"] == "failed" and "no-such-model" in result["reason"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compile_warmup.wait_for_warmup() is result  # reported once; later compiles do not wait
+
+
+def test_a_child_that_outlives_the_wait_is_killed_with_its_compile_workers(tmp_path, model_dir):
+    cfg = load_config(_config(tmp_path, model_dir))
+    warm = compile_warmup.start_compile_warmup(cfg, "cpu")
+    with pytest.warns(UserWarning, match=r"compile warm-up \(rank 0, .*\) timeout: still running after 0.5 s"):
+        result = warm.wait(timeout_s=0.5)
+    assert result["status"] == "timeout" and warm.proc.returncode is not None
+    with pytest.raises(ProcessLookupError):  # its process group is gone
+        os.killpg(warm.proc.pid, 0)
+
+
+def test_the_key_resolves_only_where_the_learner_compiles(tmp_path, model_dir):
+    assert compile_warmup_enabled(TrainConfig(), "cuda")  # the LM head and the layers compile on a GPU
+    assert not compile_warmup_enabled(TrainConfig(), "cpu")  # nothing compiles on a CPU by default
+    assert compile_warmup_enabled(TrainConfig(compile_layers=True), "cpu")
+    assert not compile_warmup_enabled(TrainConfig(compile_warmup=False), "cuda")
+    assert not compile_warmup_enabled(TrainConfig(compile_layers=False, compile_head=False), "cuda")
+    cfg = load_config(_config(tmp_path, model_dir, compile_layers="auto", compile_head=True))
+    assert compile_warmup.start_compile_warmup(cfg, "cpu") is None
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(ConfigError, match=r"train.compile_warmup=true .* compiles nothing on cpu"):
+            validate_config(load_config(_config(tmp_path, model_dir, compile_layers="auto", compile_warmup=True)), 1,
+                            check_paths=False)
+    with pytest.raises(ConfigError, match="train.compile_warmup"):
+        path = _config(tmp_path, model_dir, compile_warmup=False)
+        text = yaml.safe_load(path.read_text())
+        del text["train"]["compile_layers"]  # DeepSpeed refuses that key first
+        path.write_text(yaml.safe_dump(text))
+        validate_config(load_config(path, ["train.strategy=deepspeed"]), 1, check_paths=False)
