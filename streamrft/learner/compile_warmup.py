@@ -189,6 +189,24 @@ def one_layer_model(model_cfg):
                                             attn_implementation=model_cfg.attn_implementation)
 
 
+def warmup_batch_shape(cfg) -> tuple[int, int, int]:
+    """(prompt length, response length, samples) of the child's batch: one microbatch as full as the run's.
+
+    The graph is compiled with rows and tokens as symbols, so any later size reuses it; but Inductor picks its
+    kernels' launch settings from the first sizes it sees (size hints), so they should be the run's: the longest
+    response, half the longest prompt, as many rows as the token budget holds. At least two rows (a dimension
+    first seen as 1 is specialised to 1), and rows unequal to tokens (Dynamo's duck sizing gives equal sizes one
+    symbol)."""
+    budget = cfg.train.micro_batch_tokens
+    response_len = max(1, min(cfg.engine.max_new_tokens, budget // 2 - 1))
+    prompt_len = max(1, min(cfg.data.max_prompt_tokens // 2, budget // 2 - response_len))
+    length = prompt_len + response_len
+    rows = max(2, budget // length)
+    if rows == length:
+        rows -= 1
+    return prompt_len, response_len, rows
+
+
 def warm(cfg, device_type: str) -> dict:
     """Compile what the learner's first train step compiles, on a one-layer copy (module docstring)."""
     import torch
@@ -217,13 +235,9 @@ def warm(cfg, device_type: str) -> dict:
     algo.kl_coef, algo.advantage_estimator = 0.0, "group_norm"
     strategy = FSDP2Strategy(cfg.model, cfg.train, dist, total_steps=1, model=model)
     actor = ActorUpdate(strategy, None, cfg, all_reduce_sum)
-    # Two samples of the run's longest response, or shorter where two would not fit one microbatch: the graph is
-    # compiled for rows and tokens as symbols (any later size reuses it), but a dimension first seen as 1 would
-    # be specialised to 1, and two equal sizes would share one symbol (Dynamo's duck sizing): 2 rows, more tokens.
-    prompt_len = 3
-    response_len = max(1, min(cfg.engine.max_new_tokens, cfg.train.micro_batch_tokens // 2 - prompt_len))
+    prompt_len, response_len, rows = warmup_batch_shape(cfg)
     vocab = model.config.get_text_config().vocab_size
-    batch = synthetic_batch(2, prompt_len, response_len, vocab, 2, cfg.seed)
+    batch = synthetic_batch(rows, prompt_len, response_len, vocab, rows, cfg.seed)
     t0, compiles0 = time.perf_counter(), compiles_finished()
     actor.train_step(batch)
     if no_grad_pass:  # a forward-only graph of its own

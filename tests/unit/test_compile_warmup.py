@@ -127,3 +127,16 @@ def test_the_key_resolves_only_where_the_learner_compiles(tmp_path, model_dir):
         del text["train"]["compile_layers"]  # DeepSpeed refuses that key first
         path.write_text(yaml.safe_dump(text))
         validate_config(load_config(path, ["train.strategy=deepspeed"]), 1, check_paths=False)
+
+
+def test_the_child_batch_fills_one_microbatch_like_the_runs_with_two_rows_at_least(tmp_path, model_dir):
+    def shape(budget, new, max_prompt=512):
+        cfg = load_config(_config(tmp_path, model_dir, micro_batch_tokens=budget),
+                          [f"engine.max_new_tokens={new}", f"data.max_prompt_tokens={max_prompt}"])
+        return compile_warmup.warmup_batch_shape(cfg)
+
+    assert shape(8 * 768, 512) == (256, 512, 8)  # the GPU benchmark's microbatch: 8 rows of 256 + 512 tokens
+    assert shape(64, 6) == (26, 6, 2)  # two rows where the budget holds only two
+    assert shape(64, 600) == (1, 31, 2)  # a response longer than half the budget is cut to fit two rows
+    assert shape(30, 1, max_prompt=8) == (4, 1, 6)  # 6 rows of 5 tokens
+    assert shape(36, 1, max_prompt=10) == (5, 1, 5)  # 6 rows of 6 tokens would share one symbol: 5 rows
