@@ -34,8 +34,9 @@ class TrainConfig(Section):
     compile_layers: Union[Literal["auto"], bool] = "auto"
     # a child process compiles the learner's graphs on a one-layer copy of the model while the run starts (config
     # checks, model load, engine set-up, first rollout), filling compile_cache_dir's caches so the first train step
-    # finds them warm (learner/compile_warmup.py); fsdp2 with text models. auto = on whenever the learner compiles
-    # (train.compile_layers or, on a GPU, train.compile_head); true = the same, and an error where nothing compiles
+    # finds them warm (learner/compile_warmup.py); fsdp2 with text models. auto = on where the learner compiles on a
+    # GPU (off on a CPU: with train.compile_layers=true on 2 cores the child only competes with the run, first step
+    # 57 -> 67 s); true = wherever the learner compiles (train.compile_layers, train.compile_head), an error elsewhere
     compile_warmup: Union[Literal["auto"], bool] = "auto"
     # fsdp2: false keeps each layer's gathered compute-dtype weights from its first forward of an optimizer step to
     # that step's last backward (gathered once per step, not twice per microbatch: the per-layer copies and their
@@ -78,4 +79,5 @@ def compile_layers_enabled(cfg: TrainConfig, device_type: str) -> bool:
 def compile_warmup_enabled(cfg: TrainConfig, device_type: str) -> bool:
     """train.compile_warmup resolved for a learner on ``device_type``: only where the learner compiles (fsdp2)."""
     compiles = compile_layers_enabled(cfg, device_type) or compile_head_enabled(cfg.compile_head, device_type)
-    return cfg.compile_warmup is not False and cfg.strategy == "fsdp2" and compiles
+    wanted = cfg.compile_warmup is True or (cfg.compile_warmup == "auto" and device_type == "cuda")
+    return wanted and cfg.strategy == "fsdp2" and compiles

@@ -15,8 +15,8 @@ caches warm.
 - Only a cache warmer: a child that fails or outlives ``WARMUP_TIMEOUT_S`` costs one warning naming the rank and
   its log (``output_dir/compile_warmup/``), and the learner compiles as it would have; no result of the run
   depends on it. The child is killed when the run ends.
-- Memory: while it runs, the child holds the one-layer copy (embeddings and LM head in float32 with their gradients
-  and AdamW moments) on the rank's device.
+- Memory: while it runs, the child holds the one-layer copy (embeddings, LM head and one layer in the compute dtype,
+  with their gradients; no optimizer state) and one microbatch's activations on the rank's device: ~8 GiB at 7B.
 - Multimodal models are skipped (their vision or audio tower has graphs of its own): the child says so and exits.
 """
 
@@ -170,8 +170,10 @@ def stop_compile_warmup() -> None:
 
 # ---------------------------------------------------------------- the child ------------------------------------
 def one_layer_model(model_cfg):
-    """A float32 model of ``model.path``'s configuration with one decoder layer, randomly initialised (the graphs
-    depend on shapes and settings, not on weights); None for a multimodal model (module docstring)."""
+    """A model of ``model.path``'s configuration with one decoder layer, randomly initialised (the graphs depend
+    on shapes and settings, not on weights), stored in the compute dtype (``model.dtype``): the layers' graphs
+    see the gathered compute-dtype weights either way, and the run's float32 master copy would only double the
+    child's memory. None for a multimodal model (module docstring)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from streamrft.learner.fsdp2 import _MULTIMODAL_CLASSES
@@ -183,9 +185,9 @@ def one_layer_model(model_cfg):
     config.num_hidden_layers = 1
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:1]
-    import torch
+    from streamrft.learner.fsdp2 import _DTYPES
 
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+    return AutoModelForCausalLM.from_config(config, dtype=_DTYPES[model_cfg.dtype],
                                             attn_implementation=model_cfg.attn_implementation)
 
 
@@ -229,7 +231,7 @@ def warm(cfg, device_type: str) -> dict:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist = init_distributed(timeout_s=cfg.rollout.stage_timeout_s)
     algo = cfg.algorithm
-    # the run's no-grad pass for a KL reward (ppo epochs and mini-batches: train_step below does theirs)
+    # the run's no-grad pass for a KL reward (also for PPO epochs and mini-batches, below)
     no_grad_pass = algo.kl_coef > 0 and algo.kl_mode == "reward"
     # the losses and advantages run eagerly (no graph of theirs): no frozen reference, no critic, the group estimator
     algo.kl_coef, algo.advantage_estimator = 0.0, "group_norm"
@@ -239,9 +241,15 @@ def warm(cfg, device_type: str) -> dict:
     vocab = model.config.get_text_config().vocab_size
     batch = synthetic_batch(rows, prompt_len, response_len, vocab, rows, cfg.seed)
     t0, compiles0 = time.perf_counter(), compiles_finished()
-    actor.train_step(batch)
-    if no_grad_pass:  # a forward-only graph of its own
-        strategy.compute_logprobs(actor._microbatches(batch)[0], actor.temperature)
+    # one microbatch's forward and backward as ActorUpdate.train_step runs it (its graphs: the layer's and the LM
+    # head's), without the optimizer step: nothing of AdamW compiles, and its moments would only take memory
+    mb = actor._microbatches(batch)[0]
+    n_tokens = float(mb["response_mask"].sum())
+    strategy.forward_backward(mb, actor._loss_fn(n_tokens, float(rows), record=mb), actor.temperature,
+                              with_entropy=True, stats_on_device=True)
+    n_updates = cfg.train.ppo_epochs * cfg.train.mini_batches_per_step
+    if no_grad_pass or n_updates > 1:  # the old log-probs' pass: a forward-only graph of its own
+        strategy.compute_logprobs(mb, actor.temperature)
     if device_type == "cuda":
         torch.cuda.synchronize()
     return {"status": "ok", "seconds": round(time.perf_counter() - t0, 3), "compiles": compiles_finished() - compiles0,

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from streamrft.config import load_config, validate_config
@@ -49,9 +50,10 @@ def _config(tmp_path, model_dir, **train) -> Path:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({
         "output_dir": str(tmp_path / "run"), "compile_cache_dir": str(tmp_path / "cache"),
-        "model": {"path": model_dir, "dtype": "float32", "attn_implementation": "sdpa"},
+        "model": {"path": model_dir, "dtype": "bfloat16", "attn_implementation": "sdpa"},
         "engine": {"max_new_tokens": 6}, "reward": {"sources": [{"name": "correct", "type": "rule", "fn": "gsm8k"}]}, "rollout": {"n_samples_per_prompt": 2, "prompts_per_step": 2},
-        "train": {"compile_layers": True, "compile_head": False, "micro_batch_tokens": 64, **train}}))
+        "train": {"compile_layers": True, "compile_head": False, "compile_warmup": True, "micro_batch_tokens": 64,
+                  **train}}))
     return path
 
 
@@ -112,20 +114,20 @@ def test_a_child_that_outlives_the_wait_is_killed_with_its_compile_workers(tmp_p
 def test_the_key_resolves_only_where_the_learner_compiles(tmp_path, model_dir):
     assert compile_warmup_enabled(TrainConfig(), "cuda")  # the LM head and the layers compile on a GPU
     assert not compile_warmup_enabled(TrainConfig(), "cpu")  # nothing compiles on a CPU by default
-    assert compile_warmup_enabled(TrainConfig(compile_layers=True), "cpu")
+    assert not compile_warmup_enabled(TrainConfig(compile_layers=True), "cpu")  # auto: on a GPU only
+    assert compile_warmup_enabled(TrainConfig(compile_layers=True, compile_warmup=True), "cpu")
     assert not compile_warmup_enabled(TrainConfig(compile_warmup=False), "cuda")
     assert not compile_warmup_enabled(TrainConfig(compile_layers=False, compile_head=False), "cuda")
-    cfg = load_config(_config(tmp_path, model_dir, compile_layers="auto", compile_head=True))
+    cfg = load_config(_config(tmp_path, model_dir, compile_warmup="auto"))
     assert compile_warmup.start_compile_warmup(cfg, "cpu") is None
-    if not __import__("torch").cuda.is_available():
+    if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"train.compile_warmup=true .* compiles nothing on cpu"):
-            validate_config(load_config(_config(tmp_path, model_dir, compile_layers="auto", compile_warmup=True)), 1,
-                            check_paths=False)
-    with pytest.raises(ConfigError, match="train.compile_warmup"):
-        path = _config(tmp_path, model_dir, compile_warmup=False)
-        text = yaml.safe_load(path.read_text())
-        del text["train"]["compile_layers"]  # DeepSpeed refuses that key first
-        path.write_text(yaml.safe_dump(text))
+            validate_config(load_config(_config(tmp_path, model_dir, compile_layers="auto")), 1, check_paths=False)
+    path = _config(tmp_path, model_dir, compile_warmup=False)
+    text = yaml.safe_load(path.read_text())
+    del text["train"]["compile_layers"]  # DeepSpeed refuses that key first
+    path.write_text(yaml.safe_dump(text))
+    with pytest.raises(ConfigError, match="train.compile_warmup is set but train.strategy='deepspeed'"):
         validate_config(load_config(path, ["train.strategy=deepspeed"]), 1, check_paths=False)
 
 
