@@ -6,8 +6,9 @@ start before the first rollout ends (the colocated engine generates with the lea
 layer runs ONE graph (learner/compiling.py), so a model of the same configuration with ONE layer compiles exactly
 the graphs the full model needs, and Inductor's FX-graph and AOTAutograd caches (on disk: ``compile_cache_dir``)
 hand them to any process whose graph, input metadata, settings and device match. The child builds that one-layer
-model through the learner's own code (``FSDP2Strategy``, ``ActorUpdate.train_step`` on a synthetic batch of the
-run's lengths), so its graphs are the run's. It starts before the config checks, the model load, the engine's
+model through the learner's own code (``FSDP2Strategy``; one microbatch of a synthetic batch shaped like the run's,
+collated by ``ActorUpdate`` and run forward and backward as its ``train_step`` does), so its graphs are the run's
+(tests/unit/test_compile_warmup.py: the full learner's ``train_step`` then hits the cache, no miss). It starts before the config checks, the model load, the engine's
 set-up and the first rollout, and the learner's first compile waits for it (``wait_for_warmup``), then finds the
 caches warm.
 
@@ -18,6 +19,7 @@ caches warm.
 - Memory: while it runs, the child holds the one-layer copy (embeddings, LM head and one layer in the compute dtype,
   with their gradients; no optimizer state) and one microbatch's activations on the rank's device: ~8 GiB at 7B.
 - Multimodal models are skipped (their vision or audio tower has graphs of its own): the child says so and exits.
+  A model whose layers differ in kind (sliding-window attention on some) warms its first layer's graph only.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def one_layer_model(model_cfg):
     child's memory. None for a multimodal model (module docstring)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from streamrft.learner.fsdp2 import _MULTIMODAL_CLASSES
+    from streamrft.learner.fsdp2 import _DTYPES, _MULTIMODAL_CLASSES
     from streamrft.models.hub import resolve_model_dir
 
     config = AutoConfig.from_pretrained(resolve_model_dir(model_cfg.path, "model.path"))
@@ -185,8 +187,6 @@ def one_layer_model(model_cfg):
     config.num_hidden_layers = 1
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:1]
-    from streamrft.learner.fsdp2 import _DTYPES
-
     return AutoModelForCausalLM.from_config(config, dtype=_DTYPES[model_cfg.dtype],
                                             attn_implementation=model_cfg.attn_implementation)
 
