@@ -71,6 +71,7 @@ def main() -> None:
     if "error" in res:
         raise SystemExit(res["error"])
     if a.profile:
+        Path(a.profile).mkdir(parents=True, exist_ok=True)
         for key in ("cumulative", "tottime"):
             shutil.copy(out / "run_tiny_streamrft" / f"rollout3_profile_{key}.txt", Path(a.profile) / f"profile_{key}.txt")
     # Every rollout's event-loop CPU seconds (the timeline's rollout_loop_cpu_s: the main thread's thread_time while

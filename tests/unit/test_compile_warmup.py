@@ -142,3 +142,30 @@ def test_the_child_batch_fills_one_microbatch_like_the_runs_with_two_rows_at_lea
     assert shape(64, 600) == (1, 31, 2)  # a response longer than half the budget is cut to fit two rows
     assert shape(30, 1, max_prompt=8) == (4, 1, 6)  # 6 rows of 5 tokens
     assert shape(36, 1, max_prompt=10) == (5, 1, 5)  # 6 rows of 6 tokens would share one symbol: 5 rows
+
+
+def test_the_learners_first_compile_waits_for_the_child(tmp_path, model_dir):
+    from streamrft.learner.compiling import CompiledOrEager
+
+    cfg = load_config(_config(tmp_path, model_dir))
+    cfg.model.path = str(tmp_path / "no-such-model")  # a child that fails at once: the wait reports it
+    warm = compile_warmup.start_compile_warmup(cfg, "cpu")
+    double = CompiledOrEager(lambda x: x * 2, "test.compile", "doubling", backend="eager")
+    with pytest.warns(UserWarning, match=r"compile warm-up \(rank 0, .*\) failed"):
+        assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
+    assert warm.result["status"] == "failed" and warm.proc.returncode is not None
+
+
+def test_streamrft_train_starts_the_child_first_and_kills_it_when_the_run_ends(tmp_path, model_dir, monkeypatch):
+    from streamrft import compose
+
+    cfg = load_config(_config(tmp_path, model_dir))
+    cfg.train.max_steps = -1  # refused by the config check, which runs after the child started
+    started = []
+    real_start = compile_warmup.start_compile_warmup
+    monkeypatch.setattr(compile_warmup, "start_compile_warmup", lambda c: started.append(real_start(c, "cpu")))
+    with pytest.raises(ConfigError, match="train.max_steps=-1"):
+        compose.train(cfg)
+    assert started and started[0] is not None
+    assert started[0].proc.returncode is not None  # killed (or ended) with the run
+    assert compile_warmup.active_warmup() is None
