@@ -210,7 +210,9 @@ def warmup_batch_shape(cfg) -> tuple[int, int, int]:
 
 
 def warm(cfg, device_type: str) -> dict:
-    """Compile what the learner's first train step compiles, on a one-layer copy (module docstring)."""
+    """Compile what the learner's first train step compiles, on a one-layer copy (module docstring). The result
+    says how its time went: ``imports_s`` (from the interpreter's start), ``model_s`` (the one-layer copy),
+    ``learner_s`` (process group, FSDP2 wrapping), ``seconds`` (the forward and backward, nearly all compile)."""
     import torch
 
     from streamrft.checkpoint import set_deterministic
@@ -221,14 +223,18 @@ def warm(cfg, device_type: str) -> dict:
     from streamrft.learner.synthetic import synthetic_batch
     from streamrft.runtime.distributed import all_reduce_sum, init_distributed
 
+    phases = {"imports_s": _since_interpreter_start()}  # the interpreter's start, the config, these imports
     apply_compile_cache(cfg.compile_cache_dir)  # as compose.build_run, before anything compiles
     torch.manual_seed(cfg.seed)
     set_deterministic(cfg.train.deterministic)
+    t = time.perf_counter()
     model = one_layer_model(cfg.model)
+    phases["model_s"] = time.perf_counter() - t
     if model is None:
         return {"status": "skipped", "reason": "a multimodal model.path (its towers compile in the run)"}
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    t = time.perf_counter()
     dist = init_distributed(timeout_s=cfg.rollout.stage_timeout_s)
     algo = cfg.algorithm
     # the run's no-grad pass for a KL reward (also for PPO epochs and mini-batches, below)
@@ -237,6 +243,7 @@ def warm(cfg, device_type: str) -> dict:
     algo.kl_coef, algo.advantage_estimator = 0.0, "group_norm"
     strategy = FSDP2Strategy(cfg.model, cfg.train, dist, total_steps=1, model=model)
     actor = ActorUpdate(strategy, None, cfg, all_reduce_sum)
+    phases["learner_s"] = time.perf_counter() - t
     prompt_len, response_len, rows = warmup_batch_shape(cfg)
     vocab = model.config.get_text_config().vocab_size
     batch = synthetic_batch(rows, prompt_len, response_len, vocab, rows, cfg.seed)
@@ -253,7 +260,17 @@ def warm(cfg, device_type: str) -> dict:
     if device_type == "cuda":
         torch.cuda.synchronize()
     return {"status": "ok", "seconds": round(time.perf_counter() - t0, 3), "compiles": compiles_finished() - compiles0,
-            "compile_seconds": round(compile_seconds(), 3)}
+            "compile_seconds": round(compile_seconds(), 3), **{k: round(v, 3) for k, v in phases.items()}}
+
+
+def _since_interpreter_start() -> float:
+    """Seconds from this process's start to now (Linux: /proc's start time; 0 where unknown)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def main(argv: list[str]) -> int:
