@@ -9,8 +9,9 @@ hand them to any process whose graph, input metadata, settings and device match.
 model through the learner's own code (``FSDP2Strategy``; one microbatch of a synthetic batch shaped like the run's,
 collated by ``ActorUpdate`` and run forward and backward as its ``train_step`` does), so its graphs are the run's
 (tests/unit/test_compile_warmup.py: the full learner's ``train_step`` then hits the cache, no miss). It starts before the config checks, the model load, the engine's
-set-up and the first rollout, and the learner's first compile waits for it (``wait_for_warmup``), then finds the
-caches warm.
+set-up and the first rollout; the learner's first compile waits for it once it compiles (``wait_for_warmup``), then
+finds the caches warm. A child still importing when the learner gets there (a warm cache, a short first rollout)
+is killed instead: the learner would wait longer for it than it takes to compile itself.
 
 - One child per rank, on the rank's own device: the device index is part of Inductor's cache key.
 - Only a cache warmer: a child that fails or outlives ``WARMUP_TIMEOUT_S`` costs one warning naming the rank and
@@ -56,19 +57,32 @@ class CompileWarmup:
     log_path: Path
     rank: int
     started: float = field(default_factory=time.monotonic)
-    result: dict | None = None  # the child's result once waited for (status ok | skipped | failed | timeout)
+    # the child's result once waited for: status ok | skipped | overtaken | failed | timeout
+    result: dict | None = None
     waited_s: float = 0.0  # how long the first compile waited for it
 
+    @property
+    def compiling_path(self) -> Path:
+        """Written by the child when it starts compiling (its imports and model are done)."""
+        return self.result_path.with_suffix(".compiling")
+
     def wait(self, timeout_s: float = WARMUP_TIMEOUT_S) -> dict:
-        """Wait for the child (at most ``timeout_s``, then kill it); its result, reported once."""
+        """The child's result, reported once. A child that is compiling is waited for (at most ``timeout_s``, then
+        killed): its compile started before the learner's, so it ends first. A child that has not started
+        compiling yet (the learner got here first: a warm cache, a short first rollout) is killed, and the learner
+        compiles itself rather than wait for the child's imports."""
         if self.result is not None:
             return self.result
         t0 = time.monotonic()
+        if self.proc.poll() is None and not self.compiling_path.exists():
+            self.stop()
+            self.result = {"status": "overtaken", "reason": "the learner's first compile came before the child's "
+                           "(it was still importing or building its model); the learner compiles itself"}
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.stop()
-            self.result = {"status": "timeout", "reason": f"still running after {timeout_s:g} s of waiting"}
+            self.result = {"status": "timeout", "reason": f"still compiling after {timeout_s:g} s of waiting"}
         self.waited_s = time.monotonic() - t0
         if self.result is None:
             self.result = self._read_result()
@@ -91,8 +105,8 @@ class CompileWarmup:
         if r["status"] == "ok":
             print(f"streamrft: {head}: {r['compiles']} graph compile(s) in {r['seconds']:.1f} s; the first train "
                   f"step's compile waited {self.waited_s:.1f} s for it", flush=True)
-        elif r["status"] == "skipped":
-            print(f"streamrft: {head} skipped: {r['reason']}", flush=True)
+        elif r["status"] in ("skipped", "overtaken"):
+            print(f"streamrft: {head} {r['status']}: {r['reason']}", flush=True)
         else:
             tail = _tail(self.log_path)
             warnings.warn(f"{head} {r['status']}: {r['reason']}; the learner compiles without it (slower first "
@@ -139,6 +153,7 @@ def start_compile_warmup(cfg, device_type: str | None = None) -> CompileWarmup |
         folder.mkdir(parents=True, exist_ok=True)
         config_path.write_bytes(msgspec.json.encode(cfg))
         result_path.unlink(missing_ok=True)
+        result_path.with_suffix(".compiling").unlink(missing_ok=True)
     except OSError as exc:  # output_dir's own check names it next; the run goes on without a warm-up
         warnings.warn(f"compile warm-up (rank {rank}) not started: {folder}: {exc}")
         return None
@@ -209,7 +224,7 @@ def warmup_batch_shape(cfg) -> tuple[int, int, int]:
     return prompt_len, response_len, rows
 
 
-def warm(cfg, device_type: str) -> dict:
+def warm(cfg, device_type: str, compiling_path: Path) -> dict:
     """Compile what the learner's first train step compiles, on a one-layer copy (module docstring). The result
     says how its time went: ``imports_s`` (from the interpreter's start), ``model_s`` (the one-layer copy),
     ``learner_s`` (process group, FSDP2 wrapping), ``seconds`` (the forward and backward, nearly all compile)."""
@@ -247,6 +262,7 @@ def warm(cfg, device_type: str) -> dict:
     prompt_len, response_len, rows = warmup_batch_shape(cfg)
     vocab = model.config.get_text_config().vocab_size
     batch = synthetic_batch(rows, prompt_len, response_len, vocab, rows, cfg.seed)
+    Path(compiling_path).touch()  # from here the run's first compile waits for this one (CompileWarmup.wait)
     t0, compiles0 = time.perf_counter(), compiles_finished()
     # one microbatch's forward and backward as ActorUpdate.train_step runs it (its graphs: the layer's and the LM
     # head's), without the optimizer step: nothing of AdamW compiles, and its moments would only take memory
@@ -281,7 +297,7 @@ def main(argv: list[str]) -> int:
 
     try:
         cfg = msgspec.json.decode(Path(config_path).read_bytes(), type=Config)
-        result = warm(cfg, device_type)
+        result = warm(cfg, device_type, Path(result_path).with_suffix(".compiling"))
     except BaseException as exc:  # noqa: BLE001 - reported to the run through the result file, then re-raised
         _write_result(Path(result_path), {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
         raise

@@ -1,7 +1,8 @@
 """train.compile_warmup (streamrft/learner/compile_warmup.py): a real child process compiles the decoder-layer graph
 on a one-layer copy of the model into compile_cache_dir, and a fresh learner of the full model (two layers, other
 lengths) then compiles that graph from the cache: Inductor's FX-graph cache hits, no miss. A child that fails or
-outlives its wait costs one warning naming the rank and its log; the key resolves only where the learner compiles.
+outlives its wait costs one warning naming the rank and its log; one still importing when the learner compiles is
+killed, not waited for; the key resolves only where the learner compiles.
 
 On this CPU the layers compile with Inductor's C++ backend (train.compile_layers=true), one compile thread."""
 
@@ -9,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -57,6 +59,14 @@ def _config(tmp_path, model_dir, **train) -> Path:
     return path
 
 
+def _until(condition, what: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:g} s for {what}")
+        time.sleep(0.1)
+
+
 @pytest.fixture
 def one_compile_thread(monkeypatch):
     """Inductor's pool of C++ compile workers costs more than it saves on CI's 2 cores (test_compile_layers.py)."""
@@ -77,7 +87,8 @@ def test_the_child_compiles_the_layer_graph_that_the_full_learner_then_reads_fro
     warm = compile_warmup.start_compile_warmup(cfg, "cpu")
     assert warm is not None and warm.proc.pid != os.getpid()
     assert compile_warmup.start_compile_warmup(cfg, "cpu") is warm  # one per process
-    result = compile_warmup.wait_for_warmup()
+    _until(warm.compiling_path.exists, "the child to start compiling")
+    result = compile_warmup.wait_for_warmup()  # it is compiling: the learner waits for it
     assert result["status"] == "ok", warm.log_path.read_text()[-3000:]
     assert result["compiles"] >= 1  # the layer graph (forward and backward: one Dynamo compile)
     assert json.loads(warm.result_path.read_text()) == {k: v for k, v in result.items() if k != "wall_s"}
@@ -93,22 +104,36 @@ def test_a_failing_child_costs_one_warning_naming_the_rank_and_its_log(tmp_path,
     cfg = load_config(_config(tmp_path, model_dir))
     cfg.model.path = str(tmp_path / "no-such-model")  # the child cannot build the model
     warm = compile_warmup.start_compile_warmup(cfg, "cpu")
+    warm.proc.wait(timeout=300)
     with pytest.warns(UserWarning, match=r"compile warm-up \(rank 0, .*\.log\) failed: ValueError: model.path"):
-        result = warm.wait(timeout_s=300)
+        result = warm.wait()
     assert result["status"] == "failed" and "no-such-model" in result["reason"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert compile_warmup.wait_for_warmup() is result  # reported once; later compiles do not wait
 
 
-def test_a_child_that_outlives_the_wait_is_killed_with_its_compile_workers(tmp_path, model_dir):
+def test_a_compiling_child_that_outlives_the_wait_is_killed_with_its_compile_workers(tmp_path, model_dir,
+                                                                                       one_compile_thread):
     cfg = load_config(_config(tmp_path, model_dir))
     warm = compile_warmup.start_compile_warmup(cfg, "cpu")
-    with pytest.warns(UserWarning, match=r"compile warm-up \(rank 0, .*\) timeout: still running after 0.5 s"):
+    _until(warm.compiling_path.exists, "the child to start compiling")
+    with pytest.warns(UserWarning, match=r"compile warm-up \(rank 0, .*\) timeout: still compiling after 0.5 s"):
         result = warm.wait(timeout_s=0.5)
     assert result["status"] == "timeout" and warm.proc.returncode is not None
     with pytest.raises(ProcessLookupError):  # its process group is gone
         os.killpg(warm.proc.pid, 0)
+
+
+def test_a_child_still_importing_when_the_learner_compiles_is_killed_not_waited_for(tmp_path, model_dir, capsys):
+    cfg = load_config(_config(tmp_path, model_dir))
+    warm = compile_warmup.start_compile_warmup(cfg, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # expected, not a failure: no warning
+        result = compile_warmup.wait_for_warmup()  # at once: the child is still importing torch
+    assert result["status"] == "overtaken" and warm.proc.returncode is not None
+    assert warm.waited_s < 30 and not warm.compiling_path.exists()
+    assert "overtaken: the learner's first compile came before the child's" in capsys.readouterr().out
 
 
 def test_the_key_resolves_only_where_the_learner_compiles(tmp_path, model_dir):
@@ -150,6 +175,7 @@ def test_the_learners_first_compile_waits_for_the_child(tmp_path, model_dir):
     cfg = load_config(_config(tmp_path, model_dir))
     cfg.model.path = str(tmp_path / "no-such-model")  # a child that fails at once: the wait reports it
     warm = compile_warmup.start_compile_warmup(cfg, "cpu")
+    warm.proc.wait(timeout=300)
     double = CompiledOrEager(lambda x: x * 2, "test.compile", "doubling", backend="eager")
     with pytest.warns(UserWarning, match=r"compile warm-up \(rank 0, .*\) failed"):
         assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
