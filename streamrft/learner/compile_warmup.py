@@ -159,6 +159,9 @@ def start_compile_warmup(cfg, device_type: str | None = None) -> CompileWarmup |
         return None
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     env["LOCAL_RANK"] = str(local_rank)  # the child's device: this rank's (the cache key names the device index)
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in env:  # the node's children compile at once: a share of the cores each
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(compile_threads_per_child(
+            os.cpu_count() or 1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "streamrft.learner.compile_warmup", str(config_path),
@@ -166,6 +169,13 @@ def start_compile_warmup(cfg, device_type: str | None = None) -> CompileWarmup |
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     _ACTIVE = CompileWarmup(proc, result_path, log_path, rank)
     return _ACTIVE
+
+
+def compile_threads_per_child(cpu_count: int, local_ranks: int) -> int:
+    """Inductor's compile workers for each of a machine's ``local_ranks`` children, which compile at the same time:
+    its default (every core, at most 32) split between them, so 8 ranks do not start 8 pools as wide as the machine.
+    (Not part of Inductor's cache key: the run's own compile, with its default, reads what the child wrote.)"""
+    return max(1, min(32, cpu_count) // max(1, local_ranks))
 
 
 def wait_for_warmup() -> dict | None:

@@ -195,3 +195,10 @@ def test_streamrft_train_starts_the_child_first_and_kills_it_when_the_run_ends(t
     assert started and started[0] is not None
     assert started[0].proc.returncode is not None  # killed (or ended) with the run
     assert compile_warmup.active_warmup() is None
+
+
+def test_the_children_of_a_machine_share_its_compile_workers():
+    assert compile_warmup.compile_threads_per_child(16, 1) == 16  # one rank: Inductor's own default
+    assert compile_warmup.compile_threads_per_child(128, 8) == 4  # the default caps at 32 workers, split 8 ways
+    assert compile_warmup.compile_threads_per_child(16, 8) == 2
+    assert compile_warmup.compile_threads_per_child(4, 8) == 1
