@@ -35,8 +35,8 @@ class TrainConfig(Section):
     # a child process compiles the learner's graphs on a one-layer copy of the model while the run starts (config
     # checks, model load, engine set-up, first rollout), filling compile_cache_dir's caches so the first train step
     # finds them warm (learner/compile_warmup.py); fsdp2 with text models. auto = on where the learner compiles on a
-    # GPU (off on a CPU: with train.compile_layers=true on 2 cores the child only competes with the run, first step
-    # 57 -> 67 s); true = wherever the learner compiles (train.compile_layers, train.compile_head), an error elsewhere
+    # GPU (off on a CPU: on 2 cores the child only competes with the run, benchmarks/NOTES.md v17); true = wherever
+    # the learner compiles (train.compile_layers, train.compile_head), an error elsewhere
     compile_warmup: Union[Literal["auto"], bool] = "auto"
     # fsdp2: false keeps each layer's gathered compute-dtype weights from its first forward of an optimizer step to
     # that step's last backward (gathered once per step, not twice per microbatch: the per-layer copies and their

@@ -8,10 +8,11 @@ the graphs the full model needs, and Inductor's FX-graph and AOTAutograd caches 
 hand them to any process whose graph, input metadata, settings and device match. The child builds that one-layer
 model through the learner's own code (``FSDP2Strategy``; one microbatch of a synthetic batch shaped like the run's,
 collated by ``ActorUpdate`` and run forward and backward as its ``train_step`` does), so its graphs are the run's
-(tests/unit/test_compile_warmup.py: the full learner's ``train_step`` then hits the cache, no miss). It starts before the config checks, the model load, the engine's
-set-up and the first rollout; the learner's first compile waits for it once it compiles (``wait_for_warmup``), then
-finds the caches warm. A child still importing when the learner gets there (a warm cache, a short first rollout)
-is killed instead: the learner would wait longer for it than it takes to compile itself.
+(tests/unit/test_compile_warmup.py: the full learner's ``train_step`` then hits the cache, no miss). It starts
+before the config checks, the model load, the engine's set-up and the first rollout; the learner's first compile
+waits for it once it compiles (``wait_for_warmup``), then finds the caches warm. A child still importing when the
+learner gets there (a warm cache, a short first rollout) is killed instead: the learner would wait longer for it
+than it takes to compile itself.
 
 - One child per rank, on the rank's own device: the device index is part of Inductor's cache key.
 - Only a cache warmer: a child that fails or outlives ``WARMUP_TIMEOUT_S`` costs one warning naming the rank and
@@ -43,7 +44,7 @@ LOG_TAIL_CHARS = 2000  # of the child's log, quoted in the warning when it faile
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                   "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                   "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-                  "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+                  "TORCHELASTIC_ERROR_FILE")
 
 _ACTIVE: "CompileWarmup | None" = None  # this process's warm-up, started by start_compile_warmup
 
@@ -184,6 +185,7 @@ def wait_for_warmup() -> dict | None:
 
 
 def active_warmup() -> CompileWarmup | None:
+    """This process's warm-up (None: not started, or stopped)."""
     return _ACTIVE
 
 

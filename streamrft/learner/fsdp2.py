@@ -208,8 +208,8 @@ class FSDP2Strategy:
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, dist: DistInfo, total_steps: int,
                  model: torch.nn.Module | None = None):
-        """``model``: a float32 model already built in place of loading ``model_cfg.path`` (the compile warm-up's
-        one-layer copy, learner/compile_warmup.py); the tokenizer and processor still come from the path."""
+        """``model``: a model already built in place of loading ``model_cfg.path`` (the compile warm-up's one-layer
+        copy in the compute dtype, learner/compile_warmup.py); the tokenizer and processor still come from the path."""
         from transformers import AutoTokenizer
 
         self.rank, self.world_size, self.device = dist.rank, dist.world_size, dist.device
