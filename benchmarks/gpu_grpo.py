@@ -17,7 +17,7 @@ both: benchmarks/longtail.py), instead of the fixed 512.
 ``async`` is StreamRFT with rollout.placement=async on the same one GPU: an engine process decodes the next
 step (staleness <= 1) while the learner trains this one.
     python benchmarks/gpu_grpo.py --tiny --out /tmp/x      # CPU dry run: tiny shapes, few tokens
-    python benchmarks/gpu_grpo.py --tiny --workload longtail --systems streamrft --steps 2 --out /tmp/y
+    python benchmarks/gpu_grpo.py --tiny --workload longtail --systems streamrft,async --steps 2 --out /tmp/y
 
 results.json also holds, per StreamRFT step, the compile seconds (``compile_times``) and the caching allocator's
 cudaMalloc / cudaFree / retry counts of each train step (``train_alloc``); ``GPU_GRPO_PROFILE_TRAIN=2,5`` adds a
@@ -31,6 +31,7 @@ import time
 _T_MAIN = time.time()  # the worker's first line: process start = this - the parent's launch time
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -256,11 +257,16 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     if not final_save:  # 7B: a full checkpoint (fp32 + Adam, ~85 GiB) would not fit the GPU machine's disk
         run.checkpointer.step_done = lambda step, policy_version, defer_complete=False: None
     if wl["kind"] == "longtail":
-        from longtail import force_lengths
+        from longtail import LONGTAIL_ENV, force_lengths
 
-        if placement == "async":
-            raise ValueError("--workload longtail runs colocated only (the async engine lives in another process)")
-        force_lengths(run.engine, wl["shape"], run.strategy.tokenizer.eos_token_id)
+        eos_id = run.strategy.tokenizer.eos_token_id
+        if placement == "async":  # the engines are processes of their own: each runs longtail.py's worker
+            os.environ[LONGTAIL_ENV] = json.dumps({"shape": dataclasses.asdict(wl["shape"]), "eos_id": eos_id})
+            os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT),
+                                                        os.environ.get("PYTHONPATH", "")])
+            run.pipeline.worker_module = "longtail"
+        else:
+            force_lengths(run.engine, wl["shape"], eos_id)
     stamps.wrap(run.pipeline, "take", "rollout")  # waiting for the step's batch
     train_diag = watch_train_steps(run.actor, cuda, run_dir)
     stamps.wrap(run.actor, "train_step", "train")

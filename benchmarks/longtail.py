@@ -15,13 +15,21 @@ How the length is enforced, with EOS at the last position in both:
   (``GenerationRequest.max_new_tokens``, with ``engine.ignore_eos=true`` so no earlier EOS ends it; the KV
   cache is sized from the largest request), and the sample's last token is replaced by EOS with log-prob 0
   (what forcing it would give), finish reason "stop". Same token counts, same EOS-terminated sequences.
+  In the async placement the engines live in processes of their own: each runs this module
+  (``python -m longtail SPEC``: StreamRFT's engine worker, every engine it builds wrapped the same way; the
+  shape and the EOS id in ``LONGTAIL_ENV``, set by gpu_grpo.py with ``AsyncLearnerPipeline.worker_module``).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
+import sys
 from dataclasses import dataclass, replace
+
+LONGTAIL_ENV = "STREAMRFT_BENCH_LONGTAIL"  # {"shape": LongTail's fields, "eos_id": int}, for the engine processes
 
 
 @dataclass(frozen=True)
@@ -75,3 +83,25 @@ def force_lengths(engine, shape: LongTail, eos_id: int) -> None:
             yield sample
 
     engine.generate = generate
+
+
+def engine_worker_main(argv: list[str]) -> int:
+    """An async engine process (``python -m longtail SPEC``): StreamRFT's engine worker, every engine it builds
+    decoding the long-tailed lengths (``force_lengths``; the shape and EOS id from ``LONGTAIL_ENV``)."""
+    import streamrft.engines as engines
+    from streamrft.runtime import engine_worker
+
+    spec = json.loads(os.environ[LONGTAIL_ENV])
+    shape, eos_id, build = LongTail(**spec["shape"]), spec["eos_id"], engines.build_engine
+
+    def build_forced(*args, **kwargs):
+        engine = build(*args, **kwargs)
+        force_lengths(engine, shape, eos_id)
+        return engine
+
+    engines.build_engine = build_forced  # engine_worker.serve imports it from streamrft.engines when it runs
+    return engine_worker.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(engine_worker_main(sys.argv[1:]))

@@ -67,6 +67,9 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
 
 
 class AsyncLearnerPipeline:
+    # the module each engine process runs (python -m); benchmarks/longtail.py runs it with its lengths forced
+    worker_module = "streamrft.runtime.engine_worker"
+
     def __init__(self, cfg, ctx: StageContext, dist, run_id: str | None = None):
         self.cfg, self.ctx, self.dist = cfg, ctx, dist
         self.run_id = run_id or uuid.uuid4().hex[:8]
@@ -133,7 +136,7 @@ class AsyncLearnerPipeline:
             for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                         "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
                 env.pop(key, None)  # an engine is not a torchrun rank
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "streamrft.runtime.engine_worker", str(path)],
+            self.procs.append(subprocess.Popen([sys.executable, "-m", self.worker_module, str(path)],
                                                stdout=log, stderr=subprocess.STDOUT, env=env))
             log.close()
             (folder / f"engine{e}.pid").write_text(str(self.procs[-1].pid))

@@ -8,6 +8,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -62,3 +63,34 @@ def test_the_wrapped_engine_gives_each_request_its_length_ending_in_eos():
     out = asyncio.run(engine.generate_all(requests))
     assert [len(s.response_ids) for s in out] == SHAPE.step_lengths(0, 0, 3, 2)  # the same lengths as TRL's rows
     assert all(s.response_ids[-1] == EOS and s.logprobs[-1] == 0.0 and s.finish_reason == "stop" for s in out)
+
+
+def test_the_async_engine_process_builds_engines_that_decode_the_long_tailed_lengths(monkeypatch):
+    """``python -m longtail SPEC`` (gpu_grpo's async engine processes): StreamRFT's engine worker runs with every
+    engine that ``streamrft.engines.build_engine`` gives it wrapped by force_lengths."""
+    import json
+
+    import longtail
+    import streamrft.engines as engines
+    from streamrft.runtime import engine_worker
+
+    monkeypatch.setattr(engines, "build_engine", engines.build_engine)  # restored after the test
+    monkeypatch.setenv(longtail.LONGTAIL_ENV, json.dumps({"shape": {"median": 4, "sigma": 1.0, "cap": 12},
+                                                          "eos_id": EOS}))
+    seen = {}
+
+    def worker_main(argv):  # what engine_worker.serve does with the engine it builds: generate
+        from streamrft.engines import build_engine
+
+        tokenizer = SimpleNamespace(eos_token_id=EOS, pad_token_id=0)
+        engine = build_engine(EngineConfig(max_new_tokens=SHAPE.cap, static_cache=True, ignore_eos=True), _model(),
+                              tokenizer, torch.device("cpu"))
+        requests = [GenerationRequest(f"r{p}-{j}", [5, 6, 7], seed=sample_seed(0, 0, p, j))
+                    for p in range(3) for j in range(2)]
+        seen["argv"], seen["out"] = argv, asyncio.run(engine.generate_all(requests))
+        return 0
+
+    monkeypatch.setattr(engine_worker, "main", worker_main)
+    assert longtail.engine_worker_main(["spec.json"]) == 0 and seen["argv"] == ["spec.json"]
+    assert [len(s.response_ids) for s in seen["out"]] == SHAPE.step_lengths(0, 0, 3, 2)
+    assert all(s.response_ids[-1] == EOS for s in seen["out"])
