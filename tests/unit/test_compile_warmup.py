@@ -53,7 +53,8 @@ def _config(tmp_path, model_dir, **train) -> Path:
     path.write_text(yaml.safe_dump({
         "output_dir": str(tmp_path / "run"), "compile_cache_dir": str(tmp_path / "cache"),
         "model": {"path": model_dir, "dtype": "bfloat16", "attn_implementation": "sdpa"},
-        "engine": {"max_new_tokens": 6}, "reward": {"sources": [{"name": "correct", "type": "rule", "fn": "gsm8k"}]}, "rollout": {"n_samples_per_prompt": 2, "prompts_per_step": 2},
+        "engine": {"max_new_tokens": 6}, "rollout": {"n_samples_per_prompt": 2, "prompts_per_step": 2},
+        "reward": {"sources": [{"name": "correct", "type": "rule", "fn": "gsm8k"}]},
         "train": {"compile_layers": True, "compile_head": False, "compile_warmup": True, "micro_batch_tokens": 64,
                   **train}}))
     return path
