@@ -1,7 +1,7 @@
 """benchmarks/longtail.py: the long-tailed length of a sample is a pure function of its seed (log-normal,
 median and cap as configured), and both enforcements give the same responses shape: HF generate with
 ForceLengthProcessor (TRL's path) and the static-cache engine wrapped by force_lengths (StreamRFT's path)
-end every row with EOS as its length(seed)-th token."""
+end every row with EOS as its length(seed)-th token, also in the async placement's engine processes."""
 
 import asyncio
 import math
