@@ -64,8 +64,7 @@ class CompileWarmup:
 
     @property
     def compiling_path(self) -> Path:
-        """Written by the child when it starts compiling (its imports and model are done)."""
-        return self.result_path.with_suffix(".compiling")
+        return compiling_marker(self.result_path)
 
     def wait(self, timeout_s: float = WARMUP_TIMEOUT_S) -> dict:
         """The child's result, reported once. A child that is compiling is waited for (at most ``timeout_s``, then
@@ -79,14 +78,14 @@ class CompileWarmup:
             self.stop()
             self.result = {"status": "overtaken", "reason": "the learner's first compile came before the child's "
                            "(it was still importing or building its model); the learner compiles itself"}
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            self.result = {"status": "timeout", "reason": f"still compiling after {timeout_s:g} s of waiting"}
+        else:
+            try:
+                self.proc.wait(timeout=timeout_s)
+                self.result = self._read_result()
+            except subprocess.TimeoutExpired:
+                self.stop()
+                self.result = {"status": "timeout", "reason": f"still compiling after {timeout_s:g} s of waiting"}
         self.waited_s = time.monotonic() - t0
-        if self.result is None:
-            self.result = self._read_result()
         self.result.setdefault("wall_s", round(time.monotonic() - self.started, 3))
         self._report()
         return self.result
@@ -123,6 +122,11 @@ class CompileWarmup:
             self.proc.wait(timeout=30)
 
 
+def compiling_marker(result_path: Path) -> Path:
+    """The file the child writes when it starts compiling (its imports and model are done), beside its result."""
+    return result_path.with_suffix(".compiling")
+
+
 def _tail(path: Path) -> str:
     try:
         return path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
@@ -154,7 +158,7 @@ def start_compile_warmup(cfg, device_type: str | None = None) -> CompileWarmup |
         folder.mkdir(parents=True, exist_ok=True)
         config_path.write_bytes(msgspec.json.encode(cfg))
         result_path.unlink(missing_ok=True)
-        result_path.with_suffix(".compiling").unlink(missing_ok=True)
+        compiling_marker(result_path).unlink(missing_ok=True)
     except OSError as exc:  # output_dir's own check names it next; the run goes on without a warm-up
         warnings.warn(f"compile warm-up (rank {rank}) not started: {folder}: {exc}")
         return None
@@ -309,7 +313,7 @@ def main(argv: list[str]) -> int:
 
     try:
         cfg = msgspec.json.decode(Path(config_path).read_bytes(), type=Config)
-        result = warm(cfg, device_type, Path(result_path).with_suffix(".compiling"))
+        result = warm(cfg, device_type, compiling_marker(Path(result_path)))
     except BaseException as exc:  # noqa: BLE001 - reported to the run through the result file, then re-raised
         _write_result(Path(result_path), {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
         raise
