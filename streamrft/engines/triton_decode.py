@@ -104,10 +104,14 @@ def _race_partial_kernel(z_ptr, stride_z, inv_temp, seeds_ptr, step_ptr, best_pt
         lane_best = tl.where(take, score, lane_best)
         lane_idx = tl.where(take, offs, lane_idx)
         lane_z = tl.where(take, z, lane_z)
-        m_new = tl.maximum(lane_m, z)
-        m_safe = tl.where(m_new > neg_inf, m_new, 0.0)
-        lane_s = lane_s * tl.exp2(lane_m - m_safe) + tl.where(live, tl.exp2(z - m_safe), 0.0)
-        lane_m = m_new
+        # the running sum in one exp2 per entry (the race needs two log2 already; the special-function unit is
+        # what bounds this kernel): d = 2^-|z - m| is the old sum's rescale when z is the new maximum and z's
+        # own term otherwise (an empty lane's maximum counts as 0: no -inf - -inf). The same values as
+        # rescaling and adding with two exp2
+        grow = z > lane_m
+        d = tl.exp2(-tl.abs(z - tl.where(lane_m > neg_inf, lane_m, 0.0)))
+        lane_s = tl.where(live, tl.where(grow, lane_s * d + 1.0, lane_s + d), lane_s)
+        lane_m = tl.maximum(lane_m, z)
     best = tl.max(lane_best, 0)
     idx = tl.min(tl.where(lane_best == best, lane_idx, V), 0)
     m = tl.max(lane_m, 0)
@@ -147,8 +151,8 @@ def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.
                 num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The vocabulary is split so that about ``target_programs`` programs share the rows (several per
     multiprocessor), then one small kernel merges the splits. On an H200 the race is compute-bound
-    (hash + two logs per entry): 320-400 µs at (512, 151936) whatever the split, measured with exact
-    logs before the switch to the hardware log2 (decode_bench --tune)."""
+    (two hashes, two log2 and, for the log-sum-exp, one exp2 per entry; two exp2 until v18): 320-400 µs at
+    (512, 151936) with exact logs, 179-212 µs with the hardware log2 (decode_bench --tune; benchmarks/NOTES.md)."""
     B, V = logits_BV.shape
     logits_BV = logits_BV if logits_BV.stride(-1) == 1 else logits_BV.contiguous()
     splits = max(1, min(triton.cdiv(target_programs, B), triton.cdiv(V, block)))
@@ -240,7 +244,7 @@ def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, p
                              stride_qkv, stride_pb, stride_ph, stride_ps, stride_gb, stride_gh, stride_gs,
                              N_HEADS: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             PRECISION: tl.constexpr):
+                             PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half: tl.constexpr = D // 2
@@ -276,20 +280,36 @@ def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, p
     acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32) + v.to(tl.float32)[None, :]
     offs_n0 = tl.arange(0, BLOCK_N)
     prompt_off = prompt_row * stride_pb + h * stride_ph
-    for n0 in range((start // BLOCK_N) * BLOCK_N, prompt_len, BLOCK_N):
-        offs_n = n0 + offs_n0
-        live_n = (offs_n >= start) & (offs_n < prompt_len)
-        at = prompt_off + offs_n[:, None] * stride_ps + offs_d[None, :]
-        kb = tl.load(pk_ptr + at, mask=live_n[:, None], other=0.0)
-        vb = tl.load(pv_ptr + at, mask=live_n[:, None], other=0.0)
-        m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
-    for n0 in range(0, gen_slot, BLOCK_N):
-        offs_n = n0 + offs_n0
-        live_n = offs_n < gen_slot
-        at = gen_off + offs_n[:, None] * stride_gs + offs_d[None, :]
-        kb = tl.load(gk_ptr + at, mask=live_n[:, None], other=0.0)
-        vb = tl.load(gv_ptr + at, mask=live_n[:, None], other=0.0)
-        m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
+    if ONE_LOOP:
+        # one loop over the prompt's slots followed by the generated ones (slot n ≥ prompt_len is generated slot
+        # n - prompt_len), each slot's pointer chosen into its part: one software-pipeline prologue per program
+        # instead of one per part (a block may straddle the two)
+        for n0 in range((start // BLOCK_N) * BLOCK_N, prompt_len + gen_slot, BLOCK_N):
+            offs_n = n0 + offs_n0
+            live_n = (offs_n >= start) & (offs_n < prompt_len + gen_slot)
+            in_prompt = offs_n < prompt_len
+            slot_k = tl.where(in_prompt, pk_ptr + prompt_off + offs_n * stride_ps,
+                              gk_ptr + gen_off + (offs_n - prompt_len) * stride_gs)
+            slot_v = tl.where(in_prompt, pv_ptr + prompt_off + offs_n * stride_ps,
+                              gv_ptr + gen_off + (offs_n - prompt_len) * stride_gs)
+            kb = tl.load(slot_k[:, None] + offs_d[None, :], mask=live_n[:, None], other=0.0)
+            vb = tl.load(slot_v[:, None] + offs_d[None, :], mask=live_n[:, None], other=0.0)
+            m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
+    else:
+        for n0 in range((start // BLOCK_N) * BLOCK_N, prompt_len, BLOCK_N):
+            offs_n = n0 + offs_n0
+            live_n = (offs_n >= start) & (offs_n < prompt_len)
+            at = prompt_off + offs_n[:, None] * stride_ps + offs_d[None, :]
+            kb = tl.load(pk_ptr + at, mask=live_n[:, None], other=0.0)
+            vb = tl.load(pv_ptr + at, mask=live_n[:, None], other=0.0)
+            m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
+        for n0 in range(0, gen_slot, BLOCK_N):
+            offs_n = n0 + offs_n0
+            live_n = offs_n < gen_slot
+            at = gen_off + offs_n[:, None] * stride_gs + offs_d[None, :]
+            kb = tl.load(gk_ptr + at, mask=live_n[:, None], other=0.0)
+            vb = tl.load(gv_ptr + at, mask=live_n[:, None], other=0.0)
+            m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
     out = (acc / l_sum[:, None]).to(dtype)
     tl.store(out_ptr + b * (N_HEADS * D) + (h * GROUP + offs_g)[:, None] * D + offs_d[None, :], out,
              mask=live_g[:, None])
@@ -306,8 +326,11 @@ def attention_launch(head_dim: int) -> tuple[int, int, int]:
 def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, gen_k: torch.Tensor,
                      gen_v: torch.Tensor, prompt_row_B: torch.Tensor, start_B: torch.Tensor, step: torch.Tensor,
                      pos_B: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, sm_scale: float, n_heads: int,
-                     n_kv: int, block_n: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
-    """Launch settings (0: ``attention_launch``'s for the head size)."""
+                     n_kv: int, block_n: int = 0, num_warps: int = 0, num_stages: int = 0,
+                     one_loop: bool = False) -> torch.Tensor:
+    """Launch settings (0: ``attention_launch``'s for the head size). ``one_loop``: walk the prompt's and the
+    generated slots in one loop (a candidate for the GPU to time, ``decode_bench.py --attention one:...``; the
+    same values)."""
     B, d = qkv_BX.shape[0], gen_k.shape[-1]
     default_block_n, default_warps, default_stages = attention_launch(d)
     block_n, num_warps, num_stages = block_n or default_block_n, num_warps or default_warps, num_stages or default_stages
@@ -324,7 +347,7 @@ def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
         int(prompt_k.shape[2]), float(rope_scale), float(sm_scale), qkv_BX.stride(0),
         prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2), gen_k.stride(0), gen_k.stride(1),
         gen_k.stride(2), N_HEADS=n_heads, N_KV=n_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        D=d, BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+        D=d, BLOCK_N=block_n, PRECISION=precision, ONE_LOOP=bool(one_loop), num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -67,8 +67,10 @@ def test_decode_attention_matches_the_reference(dtype, n_heads, n_kv, d):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
     # every block size the launch table uses (attention_launch: 32 for head_dim <= 64, 64 above), whatever the default
-    for block_n in (32, 64):
-        other = tri.decode_attention(qkv, *[c.clone() for c in caches0], *args, block_n=block_n).float()
+    # and the single-loop walk over both parts (a block straddles the prompt's end and the generated start)
+    for block_n, one_loop in ((32, False), (64, False), (32, True), (64, True)):
+        other = tri.decode_attention(qkv, *[c.clone() for c in caches0], *args, block_n=block_n,
+                                     one_loop=one_loop).float()
         torch.testing.assert_close(other, outs[0], atol=tol, rtol=tol)
     # the token's k (rotated) and v land in generated slot step - 1 of every row; nothing else is written
     torch.testing.assert_close(caches[1][2].float(), caches[0][2].float(), atol=tol, rtol=tol)
@@ -81,8 +83,9 @@ def test_decode_attention_matches_the_reference(dtype, n_heads, n_kv, d):
     for u, s in ((0, 0), (1, 5), (2, 69)):
         pk[u, :, :s] = 1e4
     gk[:, :, step:] = 1e4
-    poisoned = tri.decode_attention(qkv, pk, pv, gk, gv, *args).float()
-    torch.testing.assert_close(poisoned, outs[1], atol=tol, rtol=tol)
+    for one_loop in (False, True):
+        poisoned = tri.decode_attention(qkv, pk, pv, gk, gv, *args, one_loop=one_loop).float()
+        torch.testing.assert_close(poisoned, outs[1], atol=tol, rtol=tol)
 
 
 def test_race_sample_kernel_draws_the_reference_tokens():
@@ -93,10 +96,13 @@ def test_race_sample_kernel_draws_the_reference_tokens():
     for step in range(3):
         s = torch.tensor([step], device=DEV)
         t_ref, lp_ref = ref.race_sample(logits, 0.7, seeds, s)
-        t_tri, lp_tri = tri.race_sample(logits, 0.7, seeds, s)
-        assert torch.equal(t_tri, t_ref)
-        torch.testing.assert_close(lp_tri, lp_ref, atol=1e-5, rtol=1e-5)
-        assert int(t_tri[1]) < 100
+        # as launched, and with one split per row of 128-wide blocks (each lane then sees ~24 entries: the
+        # running maximum and sum move within a lane, not only across lanes and splits)
+        for block, programs in ((1024, 4096), (128, 4)):
+            t_tri, lp_tri = tri.race_sample(logits, 0.7, seeds, s, block=block, target_programs=programs)
+            assert torch.equal(t_tri, t_ref)
+            torch.testing.assert_close(lp_tri, lp_ref, atol=1e-5, rtol=1e-5)
+            assert int(t_tri[1]) < 100
 
 
 def _tiny_model_and_requests():
