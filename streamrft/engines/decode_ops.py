@@ -64,10 +64,12 @@ def race_exponential(u: torch.Tensor) -> torch.Tensor:
 
 
 def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.Tensor,
-                step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                step: torch.Tensor, need_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from ``softmax(logits · inv_temperature)``; returns (tokens int64, log-probs fp32).
 
-    Entries at ``-inf`` (top-k / top-p masks) are never drawn. Ties go to the lowest index."""
+    Entries at ``-inf`` (top-k / top-p masks) are never drawn. Ties go to the lowest index. ``need_B``: how
+    many tokens each row needs; a row with ``step >= need_B[row]`` is finished and its draw is not used (the
+    Triton kernel skips it; here every row is drawn: dense torch ops save nothing by skipping rows)."""
     z_BV = logits_BV.float() * inv_temperature
     e_BV = race_exponential(race_uniform(row_keys(seeds_B, step), z_BV.shape[-1]))
     score_BV = torch.where(z_BV > float("-inf"), z_BV - torch.log(e_BV), float("-inf"))
@@ -114,8 +116,11 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, gen_k: torch.Tensor,
                      gen_v: torch.Tensor, prompt_row_B: torch.Tensor, start_B: torch.Tensor, step: torch.Tensor,
                      pos_B: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, sm_scale: float, n_heads: int,
-                     n_kv: int) -> torch.Tensor:
+                     n_kv: int, need_B: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row over its cache; writes this token's k/v first.
+
+    ``need_B`` as in ``race_sample``: a finished row's output is not used (the Triton kernel reads no cache for
+    it; here every row attends).
 
     The cache has two parts. ``prompt_k, prompt_v (U, n_kv, Lp, d)`` hold the left-padded prompts once per
     distinct prompt: row b's prompt is entry ``prompt_row_B[b]``, live from slot ``start_B[b]``, so the

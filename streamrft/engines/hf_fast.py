@@ -18,7 +18,10 @@ step then costs hundreds of small launches and a host sync. Here, for a chunk of
 * one decode step (forward, sampling, bookkeeping) has fixed shapes and no host syncs, so with
   ``engine.cuda_graphs`` it is captured once per chunk in a CUDA graph and replayed;
 * the host reads the per-row first stop position only every ``engine.sync_every`` steps; finished
-  rows keep decoding (masked out afterwards) until the whole chunk is done.
+  rows keep their place in the step's shapes until the whole chunk is done (their tokens are cut off
+  afterwards), but the device knows them (``need_B``: a row's limit, or up to its first stop token) and
+  the Triton kernels skip their attention over the cache and their draw, so a long-tailed batch's late
+  steps, mostly finished rows, cost the GEMMs and little else.
 
 Supported: Llama/Qwen2-style decoders (``model.layers[i].self_attn.{q,k,v,o}_proj``, RMSNorm, SiLU-gated
 MLP, rotary embedding, no sliding window). The same seed gives the same tokens within this path (and
@@ -171,7 +174,8 @@ class StaticDecoder:
 
     def __init__(self, module, prompts: list[list[int]], seeds: list[int], n_new: int, pad_id: int,
                  stop_ids: list[int], temperature: float, first_temperature: float, top_k: int, top_p: float,
-                 device: torch.device, ops: ModuleType = decode_ops):
+                 device: torch.device, ops: ModuleType = decode_ops, limits: list[int] | None = None):
+        """``limits``: each row's own maximum of new tokens (``n_new``, the largest, when None)."""
         self.p = _parts(module)
         self.ops = ops
         self.w = [_layer_weights(layer) for layer in self.p.layers]
@@ -209,6 +213,14 @@ class StaticDecoder:
         self.tokens_BN = torch.zeros((B, n_new), dtype=torch.int64, device=device)
         self.logp_BN = torch.zeros((B, n_new), dtype=torch.float32, device=device)
         self.first_stop_B = torch.full((B,), n_new, dtype=torch.int64, device=device)
+        # tokens each row needs: its limit, or up to its first stop token. A row whose count is reached is
+        # finished: the kernels skip its cache read and its draw (a long-tailed batch's late steps are mostly
+        # finished rows), while the row keeps its place in the step's fixed shapes
+        limits = limits or [n_new] * B
+        if len(limits) != B or not all(1 <= n <= n_new for n in limits):
+            raise ValueError(f"StaticDecoder: {B} row limits in 1..{n_new} expected, got {limits}")
+        self.limit_B = torch.tensor(limits, dtype=torch.int64, device=device)
+        self.need_B = self.limit_B.clone()
         self.tok_B = torch.zeros((B,), dtype=torch.int64, device=device)
         self.last_prompt_pos_B = self.pos_UL[:, -1].index_select(0, self.prompt_row_B)
         self.pos_B = self.last_prompt_pos_B.clone()
@@ -260,7 +272,7 @@ class StaticDecoder:
             qkv_BX = F.linear(h_BH, w.qkv_w, w.qkv_b)
             o_BD = ops.decode_attention(qkv_BX, self.prompt_k[i], self.prompt_v[i], self.gen_k[i], self.gen_v[i],
                                         self.prompt_row_B, self.start_B, self.step_1, self.pos_B, self.inv_freq,
-                                        self.rope_scale, self.sm_scale, p.n_heads, p.n_kv)
+                                        self.rope_scale, self.sm_scale, p.n_heads, p.n_kv, need_B=self.need_B)
             res_BH, delta_BH = self._after_attention(res_BH, o_BD, w)
         self._sample(self._logits(res_BH, delta_BH), self.temperature)
 
@@ -281,12 +293,14 @@ class StaticDecoder:
             logits_BV, inv_temperature = process_logits(raw_logits_BV, temperature, self.top_k, self.top_p), 1.0
         else:
             logits_BV, inv_temperature = raw_logits_BV, 1.0 / temperature
-        tokens_B, logp_B = self.ops.race_sample(logits_BV, inv_temperature, self.seeds_B, self.step_1)
+        tokens_B, logp_B = self.ops.race_sample(logits_BV, inv_temperature, self.seeds_B, self.step_1,
+                                                need_B=self.need_B)
         self.tokens_BN.index_copy_(1, self.step_1, tokens_B.unsqueeze(-1))
         self.logp_BN.index_copy_(1, self.step_1, logp_B.unsqueeze(-1))
         is_stop_B = (tokens_B.unsqueeze(-1) == self.stop_K).any(-1)
         unset_B = self.first_stop_B == self.n_new
         self.first_stop_B.copy_(torch.where(is_stop_B & unset_B, self.step_1, self.first_stop_B))
+        torch.minimum(self.first_stop_B + 1, self.limit_B, out=self.need_B)
         self.tok_B.copy_(tokens_B)
         self.pos_B.add_(1)
         self.step_1.add_(1)
@@ -318,7 +332,7 @@ class StaticDecoder:
         return 4 * self.B * self.p.head.weight.shape[0] * 4 + (256 << 20)
 
     def _state(self) -> list[torch.Tensor]:
-        return [self.tokens_BN, self.logp_BN, self.first_stop_B, self.tok_B, self.pos_B, self.step_1]
+        return [self.tokens_BN, self.logp_BN, self.first_stop_B, self.need_B, self.tok_B, self.pos_B, self.step_1]
 
     def run_steps(self, n: int) -> None:
         """Queue ``n`` more decode steps (no host sync)."""
@@ -413,7 +427,7 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
     def prepare(ops: ModuleType) -> StaticDecoder:
         dec = StaticDecoder(engine.module, [r.prompt_ids for r in requests], [r.seed for r in requests],
                             n_new, engine.pad_token_id, sorted(engine.stop_token_ids), cfg.temperature,
-                            cfg.first_token_temperature, cfg.top_k, cfg.top_p, engine.device, ops)
+                            cfg.first_token_temperature, cfg.top_k, cfg.top_p, engine.device, ops, limits)
         dec.prefill()
         if cfg.cuda_graphs and n_new > 1:
             try:

@@ -70,9 +70,10 @@ def _log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _race_partial_kernel(z_ptr, stride_z, inv_temp, seeds_ptr, step_ptr, best_ptr, idx_ptr, zbest_ptr, m_ptr, s_ptr,
-                         V, span, BLOCK: tl.constexpr, FAST_MATH: tl.constexpr):
-    """Program (row, split): the race and the log-sum-exp over the vocabulary entries split·span .. +span."""
+def _race_partial_kernel(z_ptr, stride_z, inv_temp, seeds_ptr, step_ptr, need_ptr, best_ptr, idx_ptr, zbest_ptr, m_ptr,
+                         s_ptr, V, span, BLOCK: tl.constexpr, FAST_MATH: tl.constexpr, HAS_NEED: tl.constexpr):
+    """Program (row, split): the race and the log-sum-exp over the vocabulary entries split·span .. +span; none
+    for a finished row (its token is not used)."""
     row = tl.program_id(0).to(tl.int64)  # 64-bit: row · width passes 2**31 in large prefills
     split = tl.program_id(1)
     seed = tl.load(seeds_ptr + row).to(tl.int64)
@@ -88,6 +89,8 @@ def _race_partial_kernel(z_ptr, stride_z, inv_temp, seeds_ptr, step_ptr, best_pt
     offs0 = tl.arange(0, BLOCK)
     lo = split * span
     hi = tl.minimum(lo + span, V)
+    if HAS_NEED:
+        hi = tl.where(step < tl.load(need_ptr + row), hi, lo)  # finished: no entries (_race_reduce_kernel)
     # base 2 throughout: z2 = z·log2(e), E2 = E·log2(e); argmax(z2 - log2 E2) = argmax(z - ln E) (a constant
     # shift), and exp2/log2 are the GPU's fast special functions
     for v0 in range(lo, hi, BLOCK):
@@ -141,15 +144,18 @@ def _race_reduce_kernel(best_ptr, idx_ptr, zbest_ptr, m_ptr, s_ptr, tok_ptr, log
     win = tl.min(tl.where(best == top, idx, V), 0)
     z_win = tl.sum(tl.where((idx == win) & (best == top), tl.load(zbest_ptr + at, mask=valid, other=0.0), 0.0), 0)
     gm = tl.max(m, 0)
+    gm = tl.where(gm > neg_inf, gm, 0.0)
     total = tl.sum(tl.where(m > neg_inf, s * tl.exp2(m - gm), 0.0), 0)
+    drawn = total > 0  # no entry was looked at: a finished row (token 0, log-prob 0: neither is used)
     tl.store(tok_ptr + row, win.to(tl.int64))
-    tl.store(logp_ptr + row, (z_win - gm - tl.log2(total)) * LN2)  # back to natural log
+    tl.store(logp_ptr + row, tl.where(drawn, (z_win - gm - tl.log2(tl.where(drawn, total, 1.0))) * LN2, 0.0))  # nat. log
 
 
 def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.Tensor,
                 step: torch.Tensor, block: int = 1024, target_programs: int = 4096,
-                num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """The vocabulary is split so that about ``target_programs`` programs share the rows (several per
+                num_warps: int = 4, need_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``need_B`` (decode_ops.race_sample): a row with ``step >= need_B[row]`` is finished and skipped, its
+    token 0. The vocabulary is split so that about ``target_programs`` programs share the rows (several per
     multiprocessor), then one small kernel merges the splits. On an H200 the race is compute-bound
     (two hashes, two log2 and, for the log-sum-exp, one exp2 per entry; two exp2 until v18): 320-400 µs at
     (512, 151936) with exact logs, 179-212 µs with the hardware log2 (decode_bench --tune; benchmarks/NOTES.md)."""
@@ -162,8 +168,9 @@ def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.
     best, z_best, m, s = (torch.empty((B, splits), dtype=torch.float32, device=dev) for _ in range(4))
     idx = torch.empty((B, splits), dtype=torch.int32, device=dev)
     _race_partial_kernel[(B, splits)](logits_BV, logits_BV.stride(0), float(inv_temperature), seeds_B, step,
-                                      best, idx, z_best, m, s, V, span, BLOCK=block, num_warps=num_warps,
-                                      FAST_MATH=logits_BV.is_cuda)
+                                      step if need_B is None else need_B, best, idx, z_best, m, s, V, span,
+                                      BLOCK=block, num_warps=num_warps, FAST_MATH=logits_BV.is_cuda,
+                                      HAS_NEED=need_B is not None)
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     logp = torch.empty(B, dtype=torch.float32, device=dev)
     _race_reduce_kernel[(B,)](best, idx, z_best, m, s, tokens, logp, V, SPLITS=splits,
@@ -240,16 +247,22 @@ def _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION: tl.cons
 
 @triton.jit
 def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, prompt_row_ptr, start_ptr, step_ptr,
-                             pos_ptr, inv_freq_ptr, prompt_len, rope_scale, sm_scale,
+                             need_ptr, pos_ptr, inv_freq_ptr, prompt_len, rope_scale, sm_scale,
                              stride_qkv, stride_pb, stride_ph, stride_ps, stride_gb, stride_gh, stride_gs,
                              N_HEADS: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr):
+                             PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr, HAS_NEED: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half: tl.constexpr = D // 2
-    gen_slot = tl.load(step_ptr).to(tl.int32) - 1  # the fed token's slot in the row's generated cache
+    step = tl.load(step_ptr).to(tl.int32)
+    gen_slot = step - 1  # the fed token's slot in the row's generated cache
     start = tl.load(start_ptr + b).to(tl.int32)
+    # a finished row (its token is not used) reads no cache: its output is the fed token's v
+    prompt_end, gen_end = prompt_len, gen_slot
+    if HAS_NEED:
+        running = step < tl.load(need_ptr + b).to(tl.int32)
+        prompt_end, gen_end = tl.where(running, prompt_len, 0), tl.where(running, gen_slot, 0)
     prompt_row = tl.load(prompt_row_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.float32)
     offs_d = tl.arange(0, D)
@@ -284,7 +297,7 @@ def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, p
         # one loop over the prompt's slots followed by the generated ones (slot n ≥ prompt_len is generated slot
         # n - prompt_len), each slot's pointer chosen into its part: one software-pipeline prologue per program
         # instead of one per part (a block may straddle the two)
-        for n0 in range((start // BLOCK_N) * BLOCK_N, prompt_len + gen_slot, BLOCK_N):
+        for n0 in range((start // BLOCK_N) * BLOCK_N, prompt_end + gen_end, BLOCK_N):
             offs_n = n0 + offs_n0
             live_n = (offs_n >= start) & (offs_n < prompt_len + gen_slot)
             in_prompt = offs_n < prompt_len
@@ -296,14 +309,14 @@ def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, p
             vb = tl.load(slot_v[:, None] + offs_d[None, :], mask=live_n[:, None], other=0.0)
             m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
     else:
-        for n0 in range((start // BLOCK_N) * BLOCK_N, prompt_len, BLOCK_N):
+        for n0 in range((start // BLOCK_N) * BLOCK_N, prompt_end, BLOCK_N):
             offs_n = n0 + offs_n0
             live_n = (offs_n >= start) & (offs_n < prompt_len)
             at = prompt_off + offs_n[:, None] * stride_ps + offs_d[None, :]
             kb = tl.load(pk_ptr + at, mask=live_n[:, None], other=0.0)
             vb = tl.load(pv_ptr + at, mask=live_n[:, None], other=0.0)
             m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
-        for n0 in range(0, gen_slot, BLOCK_N):
+        for n0 in range(0, gen_end, BLOCK_N):
             offs_n = n0 + offs_n0
             live_n = offs_n < gen_slot
             at = gen_off + offs_n[:, None] * stride_gs + offs_d[None, :]
@@ -327,10 +340,11 @@ def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
                      gen_v: torch.Tensor, prompt_row_B: torch.Tensor, start_B: torch.Tensor, step: torch.Tensor,
                      pos_B: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, sm_scale: float, n_heads: int,
                      n_kv: int, block_n: int = 0, num_warps: int = 0, num_stages: int = 0,
-                     one_loop: bool = False) -> torch.Tensor:
-    """Launch settings (0: ``attention_launch``'s for the head size). ``one_loop``: walk the prompt's and the
-    generated slots in one loop (a candidate for the GPU to time, ``decode_bench.py --attention one:...``; the
-    same values)."""
+                     one_loop: bool = False, need_B: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_ops.decode_attention; a row with ``step >= need_B[row]`` is finished: no cache read, its output
+    unspecified. Launch settings (0: ``attention_launch``'s for the head size). ``one_loop``: walk the prompt's
+    and the generated slots in one loop (a candidate for the GPU to time, ``decode_bench.py --attention
+    one:...``; the same values)."""
     B, d = qkv_BX.shape[0], gen_k.shape[-1]
     default_block_n, default_warps, default_stages = attention_launch(d)
     block_n, num_warps, num_stages = block_n or default_block_n, num_warps or default_warps, num_stages or default_stages
@@ -343,11 +357,13 @@ def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
     out = torch.empty((B, n_heads * d), dtype=qkv_BX.dtype, device=qkv_BX.device)
     precision = "ieee" if qkv_BX.dtype == torch.float32 else None  # float32 models: no TF32 rounding
     _decode_attention_kernel[(B, n_kv)](
-        qkv_BX, prompt_k, prompt_v, gen_k, gen_v, out, prompt_row_B, start_B, step, pos_B, inv_freq,
+        qkv_BX, prompt_k, prompt_v, gen_k, gen_v, out, prompt_row_B, start_B, step,
+        step if need_B is None else need_B, pos_B, inv_freq,
         int(prompt_k.shape[2]), float(rope_scale), float(sm_scale), qkv_BX.stride(0),
         prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2), gen_k.stride(0), gen_k.stride(1),
         gen_k.stride(2), N_HEADS=n_heads, N_KV=n_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        D=d, BLOCK_N=block_n, PRECISION=precision, ONE_LOOP=bool(one_loop), num_warps=num_warps, num_stages=num_stages)
+        D=d, BLOCK_N=block_n, PRECISION=precision, ONE_LOOP=bool(one_loop), HAS_NEED=need_B is not None,
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 

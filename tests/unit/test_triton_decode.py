@@ -88,6 +88,40 @@ def test_decode_attention_matches_the_reference(dtype, n_heads, n_kv, d):
         torch.testing.assert_close(poisoned, outs[1], atol=tol, rtol=tol)
 
 
+def test_decode_attention_skips_finished_rows():
+    """A row whose token count is reached (step >= need_B) reads no cache: poisoned with NaN, its output is still
+    finite, and the running rows' outputs are the reference's."""
+    g = torch.Generator().manual_seed(4)
+    n_heads, n_kv, d, B, Lp, G, step = 6, 2, 16, 4, 20, 30, 25
+    prompt_row = torch.tensor([0, 1, 1, 2], device=DEV)
+    start = torch.tensor([0, 3, 3, 7], device=DEV)
+    qkv = torch.randn(B, (n_heads + 2 * n_kv) * d, generator=g).to(DEV)
+    pk, pv = (torch.randn(3, n_kv, Lp, d, generator=g).to(DEV) for _ in range(2))
+    gk, gv = (torch.randn(B, n_kv, G, d, generator=g).to(DEV) for _ in range(2))
+    pos = torch.tensor([44, 41, 41, 37], device=DEV)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)).to(DEV)
+    args = (prompt_row, start, torch.tensor([step], device=DEV), pos, inv_freq, 1.0, 1 / math.sqrt(d), n_heads, n_kv)
+    expected = ref.decode_attention(qkv, pk.clone(), pv.clone(), gk.clone(), gv.clone(), *args)
+    # row 3 (alone on prompt entry 2) needs 25 tokens: finished at step 25; row 0 needs 26 (running)
+    need = torch.tensor([26, 40, 40, step], device=DEV)
+    pk[2], pv[2], gk[3], gv[3] = (torch.full_like(t, float("nan")) for t in (pk[2], pv[2], gk[3], gv[3]))
+    for one_loop in (False, True):
+        out = tri.decode_attention(qkv, pk, pv, gk.clone(), gv.clone(), *args, one_loop=one_loop, need_B=need)
+        torch.testing.assert_close(out[:3], expected[:3], atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(out[3]).all()
+
+
+def test_race_sample_kernel_skips_finished_rows():
+    g = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(3, 3000, generator=g)).to(DEV)
+    seeds, s = torch.tensor([1, 2, 3], device=DEV), torch.tensor([7], device=DEV)
+    t_ref, lp_ref = ref.race_sample(logits, 0.7, seeds, s)
+    tokens, logp = tri.race_sample(logits, 0.7, seeds, s, need_B=torch.tensor([8, 7, 100], device=DEV))
+    assert tokens[[0, 2]].tolist() == t_ref[[0, 2]].tolist()
+    torch.testing.assert_close(logp[[0, 2]], lp_ref[[0, 2]], atol=1e-5, rtol=1e-5)
+    assert (int(tokens[1]), float(logp[1])) == (0, 0.0)  # finished (step 7 of 7 needed): not drawn
+
+
 def test_race_sample_kernel_draws_the_reference_tokens():
     g = torch.Generator().manual_seed(3)
     logits = (3 * torch.randn(4, 3000, generator=g)).to(DEV)
@@ -145,6 +179,30 @@ def test_static_decoder_with_triton_kernels_matches_the_torch_ops_and_a_full_for
         n = len(req.prompt_ids)
         ref_lp = [logp[n - 1 + j, t].item() for j, t in enumerate(s.response_ids)]
         assert s.logprobs == pytest.approx(ref_lp, abs=1e-4)
+
+
+def test_static_decoder_with_rows_that_finish_early_matches_the_torch_ops():
+    """Rows that end early (their own max_new_tokens, or a stop token) are skipped by the Triton kernels for the
+    rest of the chunk; every sample is the torch ops' (which compute every row at every step)."""
+    import asyncio
+    from dataclasses import replace
+
+    from streamrft.config.engine import EngineConfig
+    from streamrft.engines.hf import HFEngine
+
+    model, reqs = _tiny_model_and_requests()
+    reqs = [replace(reqs[0], max_new_tokens=12), reqs[1], replace(reqs[2], max_new_tokens=40)]
+    runs = {}
+    for kernels in ("torch", "triton"):
+        # stop id 7 of 50: some rows end on it within 70 tokens, others at their limits
+        ecfg = EngineConfig(max_new_tokens=70, static_cache=True, decode_kernels=kernels, temperature=0.9)
+        engine = HFEngine(model, ecfg, eos_token_ids=[7], pad_token_id=0, device=DEV)
+        runs[kernels] = asyncio.run(engine.generate_all(reqs))
+    reasons = [s.finish_reason for s in runs["triton"]]
+    assert "length" in reasons and [len(s.response_ids) for s in runs["triton"]] != [70, 70, 70]
+    for a, b in zip(runs["torch"], runs["triton"]):
+        assert (a.response_ids, a.finish_reason) == (b.response_ids, b.finish_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
