@@ -31,6 +31,7 @@ the same kernels); the random stream differs from the eager path's.
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib.util
 import os
 import time
@@ -305,6 +306,20 @@ class StaticDecoder:
         self.pos_B.add_(1)
         self.step_1.add_(1)
 
+    def compacted(self, rows: list[int]) -> StaticDecoder:
+        """A decoder of only ``rows`` (indices into this one's), continuing from the same step: the shared
+        weights and prompt entries, each kept row's state and generated cache gathered (queued on the
+        stream behind the steps already launched, so no host sync), no graph yet."""
+        new = copy.copy(self)
+        at = torch.tensor(rows, dtype=torch.int64, device=self.tok_B.device)
+        new.B, new.graph = len(rows), None
+        new.gen_k = [t.index_select(0, at) for t in self.gen_k]
+        new.gen_v = [t.index_select(0, at) for t in self.gen_v]
+        for name in _ROW_STATE:
+            setattr(new, name, getattr(self, name).index_select(0, at))
+        new.step_1 = self.step_1.clone()
+        return new
+
     # ---- driving ---------------------------------------------------------------------------------
     def capture(self, pool=None) -> None:
         """Record one decode step in a CUDA graph (after a warm-up step on a side stream), its temporaries
@@ -343,13 +358,31 @@ class StaticDecoder:
                 self._decode_step()
 
 
+# a decoder's per-row tensors (dimension 0 is the row), besides the generated caches: what compaction gathers
+_ROW_STATE = ("prompt_row_B", "start_B", "seeds_B", "tokens_BN", "logp_BN", "first_stop_B", "limit_B", "need_B",
+              "tok_B", "last_prompt_pos_B", "pos_B")
+
+# Compaction (generate_chunk_static): once the rows still decoding are at most this fraction of the decoder's, and
+# at least COMPACT_MIN_STEPS steps may remain, the chunk goes on with a decoder of those rows only (a long-tailed
+# batch's late steps otherwise pay the GEMMs of every finished row). Not below COMPACT_MIN_ROWS rows: a capture
+# costs more than small GEMMs save.
+COMPACT_FRACTION = 0.25
+COMPACT_MIN_ROWS = 16
+COMPACT_MIN_STEPS = 128
+
+
+def should_compact(running: int, rows: int, steps_left: int) -> bool:
+    return rows >= COMPACT_MIN_ROWS and running <= COMPACT_FRACTION * rows and steps_left >= COMPACT_MIN_STEPS
+
+
 class _BlockReadback:
     """Host copies of the columns ``a .. b`` of tokens/log-probs and of the first-stop positions, queued
     behind the steps that produced them: pinned, non-blocking copies and an event on CUDA, so the host
-    reads a block while the GPU already decodes the next one."""
+    reads a block while the GPU already decodes the next one. ``rows``: the chunk's request index of each
+    of the decoder's rows (compaction drops finished ones)."""
 
-    def __init__(self, dec: StaticDecoder, a: int, b: int):
-        self.a, self.b = a, b
+    def __init__(self, dec: StaticDecoder, a: int, b: int, rows: list[int]):
+        self.a, self.b, self.rows = a, b, rows
         cuda = dec.tokens_BN.is_cuda
 
         def snap(t: torch.Tensor) -> torch.Tensor:
@@ -457,19 +490,38 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
 
     blocks: deque[_BlockReadback] = deque()
     launched = 1  # tokens queued so far (prefill samples token 0)
+    rows = list(range(len(requests)))  # the request of each of the decoder's rows
 
     def launch_next() -> None:  # one more block of steps and its readback, behind what is queued
         nonlocal launched
         n = min(cfg.sync_every, n_new - launched)
         with torch.no_grad():
             dec.run_steps(n)
-            blocks.append(_BlockReadback(dec, launched, launched + n))
+            blocks.append(_BlockReadback(dec, launched, launched + n, rows))
         launched += n
 
     def start_decoding() -> None:
-        blocks.append(_BlockReadback(dec, 0, 1))
+        blocks.append(_BlockReadback(dec, 0, 1, rows))
         if launched < n_new:
             launch_next()
+
+    def compact(running: set[int]) -> None:
+        """Go on with a decoder of the ``running`` requests' rows only (queued behind the launched steps)."""
+        nonlocal dec, rows
+        keep = [j for j, i in enumerate(rows) if i in running]
+        try:
+            with torch.no_grad():
+                smaller = dec.compacted(keep)
+                if dec.graph is not None:
+                    smaller.capture(engine.decode_graph_pool.id)
+                    engine.decode_graph_pool.captured(smaller.graph)
+        except RuntimeError as exc:  # out of memory, a failed capture: the decoder in use is intact, keep it
+            if _is_triton_failure(exc):
+                raise
+            warnings.warn(f"hf engine: compacting the chunk's {dec.B} rows to {len(keep)} failed ({exc}); "
+                          "decoding on with every row")
+            return
+        dec, rows = smaller, [rows[j] for j in keep]
 
     dec = await asyncio.to_thread(setup)
     await asyncio.to_thread(start_decoding)
@@ -485,11 +537,12 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
                 await asyncio.to_thread(block.wait)
                 if launched < n_new:  # keep the GPU one block ahead of the host
                     await asyncio.to_thread(launch_next)
-                tokens_BN[:, block.a: block.b] = block.tokens
-                logp_BN[:, block.a: block.b] = block.logp
-                first_stop, done = block.first_stop.tolist(), block.b
+                at = slice(None) if len(block.rows) == B else torch.tensor(block.rows)
+                tokens_BN[at, block.a: block.b] = block.tokens
+                logp_BN[at, block.a: block.b] = block.logp
+                stop_of, done = dict(zip(block.rows, block.first_stop.tolist())), block.b
                 for i in sorted(pending):
-                    stop_at = first_stop[i]
+                    stop_at = stop_of[i]
                     if stop_at < limits[i] and stop_at < done:
                         n, reason = stop_at + 1, "stop"
                     elif done >= limits[i]:
@@ -502,6 +555,8 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
                                           logprobs=logp_BN[i, :n].tolist(), finish_reason=reason,
                                           policy_version=version, seconds=time.perf_counter() - start,
                                           token_versions=[version] * n)
+                if pending and should_compact(len(pending), dec.B, max(limits[i] for i in pending) - launched):
+                    await asyncio.to_thread(compact, set(pending))
     finally:
         for block in blocks:  # the queued steps still use the decoder's buffers and graph
             block.wait()

@@ -161,7 +161,9 @@ def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.
     (512, 151936) with exact logs, 179-212 µs with the hardware log2 (decode_bench --tune; benchmarks/NOTES.md)."""
     B, V = logits_BV.shape
     logits_BV = logits_BV if logits_BV.stride(-1) == 1 else logits_BV.contiguous()
-    splits = max(1, min(triton.cdiv(target_programs, B), triton.cdiv(V, block)))
+    # the split count from B's power-of-two bucket: the merge kernel's SPLITS is a compile-time constant, and a
+    # compacted decoder (hf_fast) samples at batch sizes that vary from chunk to chunk
+    splits = max(1, min(triton.cdiv(target_programs, triton.next_power_of_2(B)), triton.cdiv(V, block)))
     span = triton.cdiv(triton.cdiv(V, splits), block) * block
     splits = triton.cdiv(V, span)
     dev = logits_BV.device

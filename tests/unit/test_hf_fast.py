@@ -244,3 +244,45 @@ def test_the_host_idle_window_is_open_while_the_decode_loop_waits_and_shut_aroun
     eager = HFEngine(_model(), EngineConfig(max_new_tokens=6), eos_token_ids=[0], pad_token_id=0,
                      device=torch.device("cpu"))
     assert eager.host_idle_window is None  # its generate never opens the window: nothing may wait for it
+
+
+def test_a_chunk_compacts_to_its_running_rows_and_decodes_the_same(monkeypatch):
+    """Once few rows still decode (long-tailed lengths), the chunk goes on with a decoder of those rows only
+    (hf_fast.should_compact): the samples are the ones decoded without compaction, prompt entries shared by a
+    group included."""
+    from streamrft.engines import hf_fast
+
+    model = _model()
+    cfg = EngineConfig(max_new_tokens=30, static_cache=True, sync_every=2, ignore_eos=True, temperature=0.9)
+    limits = [3, 30, 5, 8, 24, 2, 30, 4]
+    reqs = [GenerationRequest(f"r{i}", [5, 6, 7] if i % 2 else [3, 4, 9, 9], seed=40 + i, max_new_tokens=n)
+            for i, n in enumerate(limits)]
+
+    def run():
+        engine = HFEngine(model, cfg, eos_token_ids=[0], pad_token_id=0, device=torch.device("cpu"))
+        return [(s.request_id, s.response_ids, s.logprobs, s.finish_reason)
+                for s in asyncio.run(engine.generate_all(reqs))]
+
+    plain = run()
+    assert [len(ids) for _, ids, _, _ in plain] == limits
+    sizes, original = [], hf_fast.StaticDecoder.compacted
+    monkeypatch.setattr(hf_fast.StaticDecoder, "compacted",
+                        lambda self, keep: (sizes.append((self.B, len(keep))), original(self, keep))[1])
+    monkeypatch.setattr(hf_fast, "COMPACT_MIN_ROWS", 2)
+    monkeypatch.setattr(hf_fast, "COMPACT_FRACTION", 0.5)
+    monkeypatch.setattr(hf_fast, "COMPACT_MIN_STEPS", 1)
+    compacted = run()
+    # blocks of 2 steps: once tokens 0-4 are read, the rows of limits 2-5 are done and 4 of 8 run on (8, 24,
+    # 30, 30); once the rows of limits 8 and 24 are done, 2 of those 4 (the two of limit 30)
+    assert sizes == [(8, 4), (4, 2)]
+    assert [(r, ids, reason) for r, ids, _, reason in compacted] == [(r, ids, reason) for r, ids, _, reason in plain]
+    for (_, _, lp_c, _), (_, _, lp_p, _) in zip(compacted, plain):
+        assert lp_c == pytest.approx(lp_p, abs=1e-5)
+
+
+def test_should_compact_thresholds():
+    from streamrft.engines.hf_fast import should_compact
+
+    assert should_compact(128, 512, 1000) and not should_compact(129, 512, 1000)
+    assert not should_compact(2, 15, 1000)  # too few rows to pay for a capture
+    assert not should_compact(10, 512, 127)  # too few steps left

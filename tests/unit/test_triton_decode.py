@@ -181,25 +181,34 @@ def test_static_decoder_with_triton_kernels_matches_the_torch_ops_and_a_full_for
         assert s.logprobs == pytest.approx(ref_lp, abs=1e-4)
 
 
-def test_static_decoder_with_rows_that_finish_early_matches_the_torch_ops():
+def test_static_decoder_with_rows_that_finish_early_matches_the_torch_ops(monkeypatch):
     """Rows that end early (their own max_new_tokens, or a stop token) are skipped by the Triton kernels for the
-    rest of the chunk; every sample is the torch ops' (which compute every row at every step)."""
+    rest of the chunk, and the chunk compacts to its running rows (hf_fast.should_compact, thresholds lowered
+    for three rows); every sample is the torch ops' (which compute every row at every step)."""
     import asyncio
     from dataclasses import replace
 
     from streamrft.config.engine import EngineConfig
+    from streamrft.engines import hf_fast
     from streamrft.engines.hf import HFEngine
 
     model, reqs = _tiny_model_and_requests()
     reqs = [replace(reqs[0], max_new_tokens=12), reqs[1], replace(reqs[2], max_new_tokens=40)]
-    runs = {}
+    runs, sizes, compacted = {}, [], hf_fast.StaticDecoder.compacted
     for kernels in ("torch", "triton"):
+        if kernels == "triton":
+            monkeypatch.setattr(hf_fast, "COMPACT_MIN_ROWS", 2)
+            monkeypatch.setattr(hf_fast, "COMPACT_FRACTION", 0.7)
+            monkeypatch.setattr(hf_fast, "COMPACT_MIN_STEPS", 1)
+            monkeypatch.setattr(hf_fast.StaticDecoder, "compacted",
+                                lambda self, keep: (sizes.append((self.B, len(keep))), compacted(self, keep))[1])
         # stop id 7 of 50: some rows end on it within 70 tokens, others at their limits
         ecfg = EngineConfig(max_new_tokens=70, static_cache=True, decode_kernels=kernels, temperature=0.9)
         engine = HFEngine(model, ecfg, eos_token_ids=[7], pad_token_id=0, device=DEV)
         runs[kernels] = asyncio.run(engine.generate_all(reqs))
     reasons = [s.finish_reason for s in runs["triton"]]
     assert "length" in reasons and [len(s.response_ids) for s in runs["triton"]] != [70, 70, 70]
+    assert sizes and sizes[0][0] == 3 and sizes[-1][1] >= 1
     for a, b in zip(runs["torch"], runs["triton"]):
         assert (a.response_ids, a.finish_reason) == (b.response_ids, b.finish_reason)
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
@@ -249,3 +258,37 @@ def test_decode_graph_replays_the_eager_steps_and_empties_the_cache_only_when_sh
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, total))
     same(run(True), eager)
     assert emptied  # short of memory: the cache went back to the driver before the capture
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_compacted_chunks_capture_their_own_graph_and_decode_as_the_eager_steps(monkeypatch):
+    """With CUDA graphs, each compaction captures a graph of the running rows into the engine's pool; the samples
+    are the eager, uncompacted ones."""
+    import asyncio
+    from dataclasses import replace
+
+    from streamrft.config.engine import EngineConfig
+    from streamrft.engines import hf_fast
+    from streamrft.engines.hf import HFEngine
+
+    model, reqs = _tiny_model_and_requests()
+    reqs = [replace(reqs[0], max_new_tokens=9), reqs[1], replace(reqs[2], max_new_tokens=25)]
+
+    def run(graphs):
+        ecfg = EngineConfig(max_new_tokens=60, static_cache=True, ignore_eos=True, decode_kernels="triton",
+                            temperature=0.9, cuda_graphs=graphs, sync_every=4)
+        engine = HFEngine(model, ecfg, eos_token_ids=[0], pad_token_id=0, device=DEV)
+        return [(s.response_ids, s.logprobs) for s in asyncio.run(engine.generate_all(reqs))]
+
+    eager = run(False)
+    captured, capture = [], hf_fast.StaticDecoder.capture
+    monkeypatch.setattr(hf_fast.StaticDecoder, "capture", lambda self, pool=None: (captured.append(self.B),
+                                                                                   capture(self, pool))[1])
+    monkeypatch.setattr(hf_fast, "COMPACT_MIN_ROWS", 2)
+    monkeypatch.setattr(hf_fast, "COMPACT_FRACTION", 0.7)
+    monkeypatch.setattr(hf_fast, "COMPACT_MIN_STEPS", 1)
+    graphed = run(True)
+    assert captured[0] == 3 and len(captured) >= 2 and captured[1] < 3
+    for (ids_e, lp_e), (ids_g, lp_g) in zip(eager, graphed):
+        assert ids_g == ids_e
+        assert lp_g == pytest.approx(lp_e, abs=1e-4)
