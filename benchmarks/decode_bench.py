@@ -44,22 +44,27 @@ from streamrft.engines.hf import HFEngine  # noqa: E402
 from streamrft.engines.hf_fast import StaticDecoder, decode_kernels  # noqa: E402
 
 
-def build(size: str, vocab: int):
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def build(size: str, vocab: int, device: torch.device = torch.device("cuda")):
+    """A random-init model of ``size`` (SHAPES, or "tiny": a CPU smoke test's) in bf16 (float32 on a CPU)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768,
-                      rms_norm_eps=1e-6, **SHAPES[size])
+                      rms_norm_eps=1e-6, **(TINY if size == "tiny" else SHAPES[size]))
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    with device:
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
     return model
 
 
-def sync_time(fn) -> float:
-    torch.cuda.synchronize()
+def sync_time(fn, device: torch.device = torch.device("cuda")) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0
 
 
@@ -187,6 +192,52 @@ def tune(sizes: list[str], batch: int, prompt_len: int, ctx: int, vocab: int, gr
               f"= {logits.numel() * 2 / ms / 1e9:.2f} TB/s of logits read", flush=True)
 
 
+def longtail_rollouts(size: str, batch: int, prompt_len: int, group: int, vocab: int, cap: int,
+                      device: torch.device, kernels: str) -> list[str]:
+    """The engine alone on the long-tailed lengths (benchmarks/longtail.py: log-normal, median cap/8, capped at
+    ``cap``; one step's per-sample seeds), three ways in one process: every row decoded to the longest length
+    (what the engine did before finished rows were known on the device), finished rows skipped by the kernels,
+    and skipped plus compaction (hf_fast.should_compact). Returns the table's lines."""
+    from longtail import LongTail
+
+    from streamrft.engines import hf_fast
+
+    shape = LongTail(median=max(1, cap // 8), cap=cap)
+    lengths = shape.step_lengths(0, 1, batch // group, group)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch // group)]
+    model = build(size, vocab, device)
+    cfg = EngineConfig(max_new_tokens=cap, static_cache=True, cuda_graphs=device.type == "cuda", ignore_eos=True,
+                       max_batch_size=batch, decode_kernels=kernels)
+
+    def generate(limits: list[int], compact: bool) -> tuple[float, int]:
+        engine = HFEngine(model, cfg, eos_token_ids=[1], pad_token_id=0, device=device)
+        reqs = [GenerationRequest(f"r{i}", prompts[i // group], seed=i, max_new_tokens=n)
+                for i, n in enumerate(limits)]
+        fraction = hf_fast.COMPACT_FRACTION
+        hf_fast.COMPACT_FRACTION = fraction if compact else 0.0
+        try:
+            seconds = sync_time(lambda: asyncio.run(engine.generate_all(reqs)), device)
+        finally:
+            hf_fast.COMPACT_FRACTION = fraction
+        return seconds, sum(limits)
+
+    generate([8] * batch, True)  # kernel compilation and cuBLAS heuristics stay out of the timings
+    rows = [("every row to the longest", [max(lengths)] * batch, False),
+            ("finished rows skipped", lengths, False),
+            ("skipped + compaction", lengths, True)]
+    lines = [f"{size} longtail: B={batch} groups of {group}, prompt {prompt_len}, lengths median {shape.median} cap "
+             f"{cap}: mean {statistics.mean(lengths):.0f}, longest {max(lengths)}, {sum(lengths)} tokens; {kernels}",
+             f"{'variant':26} {'generate_s':>10} {'kept tok/s':>10} {'vs first':>8}"]
+    base = None
+    for label, limits, compact in rows:
+        seconds, _ = generate(limits, compact)
+        base = base or seconds
+        lines.append(f"{label:26} {seconds:10.3f} {sum(lengths) / seconds:10.0f} {base / seconds:7.2f}x")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="0.5b,1.5b")
@@ -205,7 +256,20 @@ def main() -> None:
                     help="the Triton decode attention's launch settings to decode with, comma-separated: default, "
                          "BLOCK_N/WARPS/STAGES, one (the single-loop kernel) or one:BLOCK_N/WARPS/STAGES "
                          "(e.g. default,one,32/2/2): one row each")
+    ap.add_argument("--workload", choices=("fixed", "longtail"), default="fixed",
+                    help="longtail: the engine on long-tailed lengths (median --new/8, capped at --new), every row "
+                         "to the longest vs finished rows skipped vs skipped + compaction (first --groups entry, "
+                         "first --kernels entry); --sizes tiny runs it on a CPU (a smoke test)")
     a = ap.parse_args()
+    if a.workload == "longtail":
+        lines = []
+        for size in a.sizes.split(","):
+            dev = torch.device("cpu" if size == "tiny" else "cuda")
+            lines += longtail_rollouts(size, a.batch, a.prompt, int(a.groups.split(",")[0]), a.vocab, a.new, dev,
+                                       a.kernels.split(",")[0] if dev.type == "cuda" else "torch")
+        print("\n==== LONGTAIL TABLE ====")
+        print("\n".join(lines))
+        return
     if a.tune:
         tune(a.sizes.split(","), a.batch, a.prompt, a.prompt + a.new // 2, a.vocab, [int(g) for g in a.groups.split(",")],
              a.tune_rounds)
