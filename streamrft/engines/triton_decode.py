@@ -148,7 +148,8 @@ def _race_reduce_kernel(best_ptr, idx_ptr, zbest_ptr, m_ptr, s_ptr, tok_ptr, log
     total = tl.sum(tl.where(m > neg_inf, s * tl.exp2(m - gm), 0.0), 0)
     drawn = total > 0  # no entry was looked at: a finished row (token 0, log-prob 0: neither is used)
     tl.store(tok_ptr + row, win.to(tl.int64))
-    tl.store(logp_ptr + row, tl.where(drawn, (z_win - gm - tl.log2(tl.where(drawn, total, 1.0))) * LN2, 0.0))  # nat. log
+    logp = (z_win - gm - tl.log2(tl.where(drawn, total, 1.0))) * LN2  # back to natural log
+    tl.store(logp_ptr + row, tl.where(drawn, logp, 0.0))
 
 
 def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.Tensor,
