@@ -505,9 +505,12 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
         if launched < n_new:
             launch_next()
 
+    compaction_failed = False
+
     def compact(running: set[int]) -> None:
-        """Go on with a decoder of the ``running`` requests' rows only (queued behind the launched steps)."""
-        nonlocal dec, rows
+        """Go on with a decoder of the ``running`` requests' rows only (queued behind the launched steps); after
+        a failure, not again in this chunk."""
+        nonlocal dec, rows, compaction_failed
         keep = [j for j, i in enumerate(rows) if i in running]
         try:
             with torch.no_grad():
@@ -520,6 +523,7 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
                 raise
             warnings.warn(f"hf engine: compacting the chunk's {dec.B} rows to {len(keep)} failed ({exc}); "
                           "decoding on with every row")
+            compaction_failed = True
             return
         dec, rows = smaller, [rows[j] for j in keep]
 
@@ -555,7 +559,8 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
                                           logprobs=logp_BN[i, :n].tolist(), finish_reason=reason,
                                           policy_version=version, seconds=time.perf_counter() - start,
                                           token_versions=[version] * n)
-                if pending and should_compact(len(pending), dec.B, max(limits[i] for i in pending) - launched):
+                if pending and not compaction_failed and should_compact(len(pending), dec.B,
+                                                                        max(limits[i] for i in pending) - launched):
                     await asyncio.to_thread(compact, set(pending))
     finally:
         for block in blocks:  # the queued steps still use the decoder's buffers and graph

@@ -286,3 +286,26 @@ def test_should_compact_thresholds():
     assert should_compact(128, 512, 1000) and not should_compact(129, 512, 1000)
     assert not should_compact(2, 15, 1000)  # too few rows to pay for a capture
     assert not should_compact(10, 512, 127)  # too few steps left
+
+
+def test_a_failed_compaction_warns_once_and_decodes_on_with_every_row(monkeypatch):
+    from streamrft.engines import hf_fast
+
+    model = _model()
+    cfg = EngineConfig(max_new_tokens=20, static_cache=True, sync_every=2, ignore_eos=True)
+    reqs = [GenerationRequest(f"r{i}", [5, 6, 7], seed=i, max_new_tokens=n) for i, n in enumerate([2, 3, 20, 2])]
+    engine = HFEngine(model, cfg, eos_token_ids=[0], pad_token_id=0, device=torch.device("cpu"))
+    plain = asyncio.run(engine.generate_all(reqs))
+    calls = []
+
+    def out_of_memory(self, keep):
+        calls.append(len(keep))
+        raise torch.OutOfMemoryError("no room for the smaller batch's caches")
+
+    monkeypatch.setattr(hf_fast.StaticDecoder, "compacted", out_of_memory)
+    monkeypatch.setattr(hf_fast, "COMPACT_MIN_ROWS", 2)
+    monkeypatch.setattr(hf_fast, "COMPACT_MIN_STEPS", 1)
+    with pytest.warns(UserWarning, match=r"compacting the chunk's 4 rows to 1 failed \(no room"):
+        failed = asyncio.run(engine.generate_all(reqs))
+    assert calls == [1]  # not tried again in the chunk
+    assert [(s.response_ids, s.logprobs) for s in failed] == [(s.response_ids, s.logprobs) for s in plain]
