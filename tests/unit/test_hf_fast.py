@@ -266,8 +266,15 @@ def test_a_chunk_compacts_to_its_running_rows_and_decodes_the_same(monkeypatch):
     plain = run()
     assert [len(ids) for _, ids, _, _ in plain] == limits
     sizes, original = [], hf_fast.StaticDecoder.compacted
-    monkeypatch.setattr(hf_fast.StaticDecoder, "compacted",
-                        lambda self, keep: (sizes.append((self.B, len(keep))), original(self, keep))[1])
+
+    def compacted(self, keep):
+        if self.B == 8:  # every per-row tensor is gathered (a new one must join hf_fast._ROW_STATE); no other size is 8
+            per_row = {k for k, v in vars(self).items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 8}
+            assert per_row == set(hf_fast._ROW_STATE), per_row ^ set(hf_fast._ROW_STATE)
+        sizes.append((self.B, len(keep)))
+        return original(self, keep)
+
+    monkeypatch.setattr(hf_fast.StaticDecoder, "compacted", compacted)
     monkeypatch.setattr(hf_fast, "COMPACT_MIN_ROWS", 2)
     monkeypatch.setattr(hf_fast, "COMPACT_FRACTION", 0.5)
     monkeypatch.setattr(hf_fast, "COMPACT_MIN_STEPS", 1)
