@@ -6,7 +6,6 @@ prompt ids equal those of the same row given as text with data.image_field."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
