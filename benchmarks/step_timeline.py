@@ -86,7 +86,8 @@ class Timeline:
         return out
 
     def watch_rollout_parts(self, pipeline, profile_take: int = 0, profile_dir: Path | None = None) -> None:
-        """Where a rollout's seconds go after the decode: the static decoder's set-up, prefill and capture, the
+        """Where a rollout's seconds go after the decode: the static decoder's set-up, prefill, capture and
+        compactions (``decoder_compacted``: a long-tailed chunk's running rows gathered; its graph is a capture), the
         decode's block waits (their last end is the decode's end), then per stage the bursts of per-sample calls
         (generator sends, reward batches, advantage and learner-feed handling). Per ``pipeline.take`` the event
         loop's own CPU seconds (``loop_cpu``: the per-sample tail's work; the engine's GPU waits run in worker
@@ -101,7 +102,7 @@ class Timeline:
         from streamrft.runtime.generator import Generator
         from streamrft.runtime.scoring import RewardScorerStage
 
-        for attr in ("__init__", "prefill", "capture"):
+        for attr in ("__init__", "prefill", "capture", "compacted"):
             self.wrap(hf_fast.StaticDecoder, attr, f"decoder_{attr.strip('_')}")
         self.count(hf_fast._BlockReadback, "wait", "decode_block_waits")
         self.count(Generator, "_send", "generator_sends")
