@@ -35,7 +35,9 @@ new weights, so every token's log-prob is the one a full forward under the versi
 (``token_versions`` records that version per token). Chunks that cannot be re-prefilled (static cache:
 weights are concatenated per chunk; multimodal prompts: the media would have to be encoded again)
 *pin* the weights: an update arriving meanwhile is staged (``pending_version``) and loaded when the last
-pinned chunk ends. ``wait_version(v)`` returns once ``v`` is loaded.
+pinned chunk ends. ``wait_version(v)`` returns once ``v`` is loaded. Static-cache chunks run one at a time, so
+with own weights the ``generate()`` calls waiting behind a chunk are merged into the next one
+(``engines/call_merge.py``): the async placement's Generator makes one call per admitted group.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import torch
 from transformers import DynamicCache
 
 from streamrft.engines.base import GeneratedSample, GenerationRequest, check_requests, wait_for_version
+from streamrft.engines.call_merge import CallMerger
 from streamrft.engines.sampling import logprob_of, process_logits, sample_tokens
 from streamrft.runtime.host_idle import HostIdleWindow
 
@@ -166,6 +169,7 @@ class HFEngine:
         # FSDP swaps the module's registered parameters during a forward (see quiesce)
         self._forward_lock = threading.Lock()
         self._static_lock: asyncio.Lock | None = None  # one static-cache chunk at a time (see _exclusive)
+        self._merger: CallMerger | None = None  # own_weights + static cache: calls in flight share chunks
         # the static-cache decode graphs' memory pool, one for the engine's life (hf_fast.DecodeGraphPool)
         self.decode_graph_pool = None
         # weight switching (own_weights): chunks in flight that pin the weights, and what waits for them.
@@ -201,14 +205,27 @@ class HFEngine:
             size = self.cfg.max_batch_size
             chunk_fn = lambda reqs, t0: self._generate_chunk(reqs, t0, mm_inputs)  # noqa: E731
             if self.cfg.static_cache:
-                from streamrft.engines.hf_fast import generate_chunk_static
-
-                chunk_fn = lambda reqs, t0: self._exclusive(self._pinned_chunk(generate_chunk_static(self, reqs, t0)))  # noqa: E731
+                if self.own_weights:  # calls in flight share chunks (engines/call_merge.py)
+                    async for sample in self._call_merger().generate(requests):
+                        yield sample
+                    return
+                chunk_fn = lambda reqs, t0: self._static_chunk(reqs, t0)  # noqa: E731
             for lo in range(0, len(requests), size):
                 async for sample in chunk_fn(requests[lo : lo + size], start):
                     yield sample
         finally:
             self._exit()
+
+    def _static_chunk(self, requests: list[GenerationRequest], start: float) -> AsyncIterator[GeneratedSample]:
+        from streamrft.engines.hf_fast import generate_chunk_static
+
+        return self._exclusive(self._pinned_chunk(generate_chunk_static(self, requests, start)))
+
+    def _call_merger(self) -> CallMerger:
+        if self._merger is None:
+            self._merger = CallMerger(lambda reqs: self._static_chunk(reqs, time.perf_counter()),
+                                      self.cfg.max_batch_size)
+        return self._merger
 
     async def _exclusive(self, chunk: AsyncIterator[GeneratedSample]) -> AsyncIterator[GeneratedSample]:
         """One static-cache chunk at a time: a chunk owns a preallocated KV cache and captures CUDA graphs,

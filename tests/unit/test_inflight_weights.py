@@ -167,16 +167,29 @@ def test_update_from_another_thread_waits_for_the_running_forward_and_chunks_aft
 
 def test_static_cache_pins_the_weights_a_mid_chunk_update_is_staged_until_the_chunk_ends(versions):
     engine = _engine(versions, static_cache=True, decode_kernels="torch", sync_every=2, max_batch_size=2)
+    # chunks run in the engine's own task (engines/call_merge.py), not paced by the caller: chunk 1 (r0, r1)
+    # waits after r0 until the update is staged, so the update lands while it is surely still decoding r1
+    staged = threading.Event()
+    run_chunk = engine._static_chunk
+
+    async def held_after_r0(requests, start):
+        async for sample in run_chunk(requests, start):
+            yield sample
+            if sample.request_id == "r0":
+                await asyncio.to_thread(staged.wait, 10)
+
+    engine._static_chunk = held_after_r0
 
     async def run():
         samples, states = [], []
         async for s in engine.generate(_requests()):
             samples.append(s)
-            if len(samples) == 1:  # chunk 1 (r0, r1) still decoding r1
+            if len(samples) == 1:
                 await engine.update_weights(_state(versions[1]), 1)
                 states.append((engine.policy_version, engine.pending_version))
                 with pytest.raises(TimeoutError, match="not loaded after 0.05s .*version 1 staged behind 1 pinned"):
                     await engine.wait_version(1, timeout_s=0.05)
+                staged.set()
         return samples, states
 
     samples, states = asyncio.run(run())
