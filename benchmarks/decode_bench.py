@@ -240,10 +240,60 @@ def longtail_rollouts(size: str, batch: int, prompt_len: int, group: int, vocab:
     return lines
 
 
+def admission_rollouts(size: str, batch: int, prompt_len: int, group: int, vocab: int, cap: int,
+                       device: torch.device, kernels: str, steps: int = 2) -> list[str]:
+    """The async placement's admission pattern on the long-tailed lengths: ``batch // group`` groups in flight at
+    most, one ``generate()`` call per group, the next group's call made when a group ends (as the Generator does
+    when a credit comes back), ``steps`` steps' worth of groups. Two ways in one process: one chunk per call
+    (the colocated engine's rule) and the calls waiting behind a chunk merged into the next (an engine with its
+    own weights: engines/call_merge.py). Returns the table's lines."""
+    from longtail import LongTail
+
+    shape = LongTail(median=max(1, cap // 8), cap=cap)
+    n_groups = steps * (batch // group)
+    lengths = [n for step in range(steps) for n in shape.step_lengths(0, step, batch // group, group)]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n_groups)]
+    model = build(size, vocab, device)
+    cfg = EngineConfig(max_new_tokens=cap, static_cache=True, cuda_graphs=device.type == "cuda", ignore_eos=True,
+                       max_batch_size=batch, decode_kernels=kernels)
+
+    async def admit_all(engine: HFEngine) -> None:
+        pending = list(range(n_groups))
+
+        async def run_group(g: int) -> None:
+            await engine.generate_all([GenerationRequest(f"g{g}-{j}", prompts[g], seed=g * group + j,
+                                                         max_new_tokens=lengths[g * group + j])
+                                       for j in range(group)])
+            if pending:
+                await run_group(pending.pop(0))
+
+        first, pending = pending[: batch // group], pending[batch // group:]
+        await asyncio.gather(*(run_group(g) for g in first))
+
+    def generate(merged: bool) -> float:
+        engine = HFEngine(model, cfg, eos_token_ids=[1], pad_token_id=0, device=device, own_weights=merged)
+        return sync_time(lambda: asyncio.run(admit_all(engine)), device)
+
+    generate(True)  # kernel compilation, cuBLAS heuristics and captures stay out of the timings
+    lines = [f"{size} admissions: B={batch} in flight, groups of {group}, {n_groups} groups, prompt {prompt_len}, "
+             f"lengths median {shape.median} cap {cap}: {sum(lengths)} tokens; {kernels}",
+             f"{'variant':26} {'generate_s':>10} {'kept tok/s':>10} {'vs first':>8}"]
+    base = None
+    for label, merged in (("one chunk per call", False), ("waiting calls merged", True)):
+        seconds = generate(merged)
+        base = base or seconds
+        lines.append(f"{label:26} {seconds:10.3f} {sum(lengths) / seconds:10.0f} {base / seconds:7.2f}x")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="0.5b,1.5b")
-    ap.add_argument("--kernels", default="torch,triton")
+    ap.add_argument("--kernels", default=None,
+                    help="engine.decode_kernels choices, comma-separated (default torch,triton; the longtail and "
+                         "admissions workloads: triton, their first entry only)")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=512)
@@ -258,18 +308,22 @@ def main() -> None:
                     help="the Triton decode attention's launch settings to decode with, comma-separated: default, "
                          "BLOCK_N/WARPS/STAGES, one (the single-loop kernel) or one:BLOCK_N/WARPS/STAGES "
                          "(e.g. default,one,32/2/2): one row each")
-    ap.add_argument("--workload", choices=("fixed", "longtail"), default="fixed",
+    ap.add_argument("--workload", choices=("fixed", "longtail", "admissions"), default="fixed",
                     help="longtail: the engine on long-tailed lengths (median --new/8, capped at --new), every row "
                          "to the longest vs finished rows skipped vs skipped + compaction (first --groups entry, "
-                         "first --kernels entry); --sizes tiny runs it on a CPU (a smoke test)")
+                         "first --kernels entry); admissions: the async placement's one call per group on those "
+                         "lengths, one chunk per call vs waiting calls merged; --sizes tiny runs either on a CPU")
     a = ap.parse_args()
-    if a.workload == "longtail":
+    # the long-tailed table compares three ways of running one kernel choice, so it takes the fast one by default
+    a.kernels = a.kernels or ("torch,triton" if a.workload == "fixed" else "triton")
+    if a.workload != "fixed":
+        table = longtail_rollouts if a.workload == "longtail" else admission_rollouts
         lines = []
         for size in a.sizes.split(","):
             dev = torch.device("cpu" if size == "tiny" else "cuda")
-            lines += longtail_rollouts(size, a.batch, a.prompt, int(a.groups.split(",")[0]), a.vocab, a.new, dev,
-                                       a.kernels.split(",")[0] if dev.type == "cuda" else "torch")
-        print("\n==== LONGTAIL TABLE ====")
+            lines += table(size, a.batch, a.prompt, int(a.groups.split(",")[0]), a.vocab, a.new, dev,
+                           a.kernels.split(",")[0] if dev.type == "cuda" else "torch")
+        print(f"\n==== {a.workload.upper()} TABLE ====")
         print("\n".join(lines))
         return
     if a.tune:
