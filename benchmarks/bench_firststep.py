@@ -82,9 +82,10 @@ def breakdown(marks: dict, calls: dict, first_row: dict) -> dict:
     ``first_row``: the first line of steps.jsonl (phase metrics of the first step)."""
     b = {
         "process_start_s": _span(marks, "launch", "main"),  # interpreter start (fork/exec + site)
-        "imports_s": _span(marks, "main", "imports_done"),  # torch, transformers, streamrft
-        "config_s": _span(marks, "imports_done", "config_loaded"),
-        "dist_init_s": _span(marks, "config_loaded", "dist_ready"),  # the process group (one rank)
+        "config_s": _span(marks, "main", "config_loaded"),
+        # the compile warm-up child's start, then torch, transformers, streamrft (as `streamrft train` orders them)
+        "imports_s": _span(marks, "config_loaded", "imports_done"),
+        "dist_init_s": _span(marks, "imports_done", "dist_ready"),  # the process group (one rank)
         "validate_s": _span(marks, "dist_ready", "validated"),  # incl. importing the reward function
         "build_run_s": _first(calls, "build_run"),
         "model_load_s": _first(calls, "build_learner"),

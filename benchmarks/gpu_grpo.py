@@ -175,32 +175,21 @@ def _has_files(folder: Path) -> bool:
 
 def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placement: str = "colocated",
                   tag: str = "", overrides: list[str] | None = None, variant: str = "") -> dict:
-    import asyncio
-
-    import torch
-
-    import streamrft.compose as compose
-    import streamrft.engines as engines
-    import streamrft.engines.hf_fast as hf_fast
+    # as `streamrft train` (cli.py): the config, then the compile warm-up's child, then torch and the rest
     from bench_firststep import LAUNCH_ENV, Stamps, breakdown
-    from step_timeline import Timeline
     from streamrft.config import load_config, validate_config
-    from streamrft.engines.base import GenerationRequest
     from streamrft.learner import compile_warmup
-    from streamrft.runtime.distributed import init_distributed
-    from streamrft.runtime.driver import _shutdown, train_loop
 
-    cuda = torch.cuda.is_available()
+    cuda = compile_warmup.probe_device_type() == "cuda"
 
     def sync():
-        if cuda:
-            torch.cuda.synchronize()
+        if cuda and "torch" in sys.modules:
+            sys.modules["torch"].cuda.synchronize()
 
     stamps = Stamps(sync)
     if os.environ.get(LAUNCH_ENV):
         stamps.mark("launch", float(os.environ[LAUNCH_ENV]))
     stamps.mark("main", _T_MAIN)
-    stamps.mark("imports_done")
     tag = tag or (("streamrft" if placement == "colocated" else "async") if fast else "eager")
     run_dir = out / f"run_{size}_{tag}"
     if run_dir.exists():  # a run dir left by an earlier call would be resumed (checkpoint.resume=auto)
@@ -230,12 +219,24 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     write_reward_config(cfg_path)
     cfg = load_config(cfg_path, overrides_all)
     stamps.mark("config_loaded")
+    warmup = compile_warmup.start_compile_warmup(cfg)  # train.compile_warmup (learner/compile_warmup.py)
+    stamps.mark("warmup_started")
+    import asyncio
+
+    import torch
+
+    import streamrft.compose as compose
+    import streamrft.engines as engines
+    import streamrft.engines.hf_fast as hf_fast
+    from step_timeline import Timeline
+    from streamrft.engines.base import GenerationRequest
+    from streamrft.runtime.distributed import init_distributed
+    from streamrft.runtime.driver import _shutdown, train_loop
+
+    stamps.mark("imports_done")
     if cuda and placement == "async":
         # one GPU, two processes: the learner keeps to its share so the engine process's allocations fit too
         torch.cuda.set_per_process_memory_fraction(1.0 - ASYNC_ENGINE_SHARE - 0.05)
-    # as compose.train: the compile warm-up's child starts first (train.compile_warmup, learner/compile_warmup.py)
-    warmup = compile_warmup.start_compile_warmup(cfg)
-    stamps.mark("warmup_started")
     dist = init_distributed()
     stamps.mark("dist_ready")
     validate_config(cfg, dist.world_size)

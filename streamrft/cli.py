@@ -18,7 +18,18 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     world_size = _env_world_size()
-    validate_config(cfg, world_size)
+    if not args.dry_run:
+        from streamrft.learner.compile_warmup import start_compile_warmup, stop_compile_warmup
+
+        # the compile warm-up's child (train.compile_warmup) starts before the checks import torch, transformers
+        # and the learner's modules: it needs those imports too, and its head start is the first step's gain
+        start_compile_warmup(cfg)
+    try:
+        validate_config(cfg, world_size)
+    except BaseException:
+        if not args.dry_run:
+            stop_compile_warmup()
+        raise
     if args.dry_run:
         from streamrft.checkpoint.guard import check_resume
 

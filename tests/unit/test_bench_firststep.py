@@ -14,7 +14,7 @@ from bench_firststep import COLUMNS, Stamps, breakdown, first_step_table  # noqa
 
 
 def test_breakdown_from_marks_and_calls():
-    marks = {"launch": 100.0, "main": 100.25, "imports_done": 106.0, "config_loaded": 106.5, "dist_ready": 107.0,
+    marks = {"launch": 100.0, "main": 100.25, "config_loaded": 100.75, "imports_done": 106.5, "dist_ready": 107.0,
              "validated": 110.0, "build_run_end": 150.0, "rollout_start": 151.5, "train_end": 200.0}
     calls = {"build_run": [40.0], "build_learner": [30.0], "build_engine": [2.0], "rollout": [20.0, 5.0, 7.0],
              "decoder_init": [1.5, 0.5, 0.25], "capture": [12.0, 0.75, 0.5], "train": [25.0, 10.0, 12.0, 14.0]}
@@ -34,7 +34,7 @@ def test_breakdown_from_marks_and_calls():
     assert b["first_weight_sync_s"] == 0.125 and b["first_step_s"] == 46.0 and b["first_compile_s"] == 9.5
     assert b["launch_to_first_step_s"] == pytest.approx(100.0)
     # a run without CUDA graphs or a launch mark: those parts are None, not 0
-    b2 = breakdown({"main": 1.0, "imports_done": 2.0}, {"train": [3.0]}, {})
+    b2 = breakdown({"main": 1.0, "config_loaded": 1.5, "imports_done": 2.0}, {"train": [3.0]}, {})
     assert b2["capture_first_s"] is None and b2["process_start_s"] is None and b2["steady_train_s"] is None
     assert b2["first_train_extra_s"] is None and b2["build_other_s"] is None
     table = first_step_table([{"size": "0.5b", "system": "streamrft", "cache": "cold", "first_step": b,

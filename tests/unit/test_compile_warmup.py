@@ -203,3 +203,53 @@ def test_the_children_of_a_machine_share_its_compile_workers():
     assert compile_warmup.compile_threads_per_child(128, 8) == 4  # the default caps at 32 workers, split 8 ways
     assert compile_warmup.compile_threads_per_child(16, 8) == 2
     assert compile_warmup.compile_threads_per_child(4, 8) == 1
+
+
+# `streamrft train` in a fresh interpreter, its config refused by the check: what was imported when the child
+# started, the exit code, and whether the child is gone
+CLI_RUN = """
+import json, sys
+from streamrft.learner import compile_warmup
+seen, children = [], []
+real_start = compile_warmup.start_compile_warmup
+def start(cfg, device_type=None):
+    seen.append(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+    children.append(real_start(cfg, "cpu"))
+    return children[-1]
+compile_warmup.start_compile_warmup = start
+from streamrft import cli
+code = cli.main(["train", sys.argv[1], "train.max_steps=-1"])
+print(json.dumps({"imported_at_start": seen, "code": code, "child_ended": children[0].proc.poll() is not None,
+                  "active": compile_warmup.active_warmup() is not None}))
+"""
+
+
+def test_streamrft_train_starts_the_child_before_importing_torch_and_kills_it_when_the_check_fails(
+        tmp_path, model_dir):
+    """The child's head start is the run's own imports (torch, transformers, the learner: ~10 s on the H200 host),
+    so `streamrft train` starts it right after reading the config; a config the check refuses ends it."""
+    path = _config(tmp_path, model_dir)
+    out = subprocess.run([sys.executable, "-c", CLI_RUN, str(path)], capture_output=True, text=True, timeout=300,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"imported_at_start": [[]], "code": 2, "child_ended": True, "active": False}
+    assert "train.max_steps=-1" in out.stderr
+
+
+def test_the_device_probe_imports_no_torch_and_a_child_whose_torch_finds_no_gpu_skips(tmp_path, model_dir,
+                                                                                     monkeypatch):
+    probe = ("import sys; from streamrft.learner.compile_warmup import probe_device_type as p; "
+             "print(p(), 'torch' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    hidden = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO,
+                            env={**env, "CUDA_VISIBLE_DEVICES": "-1"})
+    assert hidden.stdout.split() == ["cpu", "False"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert compile_warmup.probe_device_type() == "cpu"  # torch imported here: it decides, and sees no device
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the child would not skip")
+    cfg = load_config(_config(tmp_path, model_dir))
+    result = compile_warmup.warm(cfg, "cuda", tmp_path / "marker")
+    assert result["status"] == "skipped" and "finds no CUDA device" in result["reason"]
+    assert not (tmp_path / "marker").exists()  # never reached the compile: the learner does not wait for it
