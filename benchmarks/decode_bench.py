@@ -197,7 +197,8 @@ def longtail_rollouts(size: str, batch: int, prompt_len: int, group: int, vocab:
     """The engine alone on the long-tailed lengths (benchmarks/longtail.py: log-normal, median cap/8, capped at
     ``cap``; one step's per-sample seeds), three ways in one process: every row decoded to the longest length
     (what the engine did before finished rows were known on the device), finished rows skipped by the kernels,
-    and skipped plus compaction (hf_fast.should_compact). Returns the table's lines."""
+    and skipped plus compaction (hf_fast.should_compact); with the Triton kernels also that last one with each row's
+    context walked by one program (no split: triton_decode.attention_splits). Returns the table's lines."""
     from longtail import LongTail
 
     from streamrft.engines import hf_fast
@@ -210,30 +211,42 @@ def longtail_rollouts(size: str, batch: int, prompt_len: int, group: int, vocab:
     cfg = EngineConfig(max_new_tokens=cap, static_cache=True, cuda_graphs=device.type == "cuda", ignore_eos=True,
                        max_batch_size=batch, decode_kernels=kernels)
 
-    def generate(limits: list[int], compact: bool) -> float:
+    def generate(limits: list[int], compact: bool, max_splits: int | None = None) -> float:
         engine = HFEngine(model, cfg, eos_token_ids=[1], pad_token_id=0, device=device)
         reqs = [GenerationRequest(f"r{i}", prompts[i // group], seed=i, max_new_tokens=n)
                 for i, n in enumerate(limits)]
-        fraction = hf_fast.COMPACT_FRACTION
+        fraction, splits = hf_fast.COMPACT_FRACTION, tri.MAX_SPLITS if tri else None
         hf_fast.COMPACT_FRACTION = fraction if compact else 0.0
+        if tri and max_splits is not None:
+            tri.MAX_SPLITS = max_splits
         try:
             seconds = sync_time(lambda: asyncio.run(engine.generate_all(reqs)), device)
         finally:
             hf_fast.COMPACT_FRACTION = fraction
+            if tri:
+                tri.MAX_SPLITS = splits
         return seconds
 
+    # the split-context attention's (triton_decode.attention_splits) own row: the same chunks, one program per
+    # row and kv head (MAX_SPLITS = 1), as before v19
+    tri = None
+    if kernels == "triton":
+        from streamrft.engines import triton_decode as tri
     # kernel compilation (the merge kernel per compacted batch size's bucket too), cuBLAS heuristics and captures
     # stay out of the timings
     generate(lengths, True)
-    rows = [("every row to the longest", [max(lengths)] * batch, False),
-            ("finished rows skipped", lengths, False),
-            ("skipped + compaction", lengths, True)]
+    rows = [("every row to the longest", [max(lengths)] * batch, False, None),
+            ("finished rows skipped", lengths, False, None),
+            ("skipped + compaction", lengths, True, None)]
+    if tri:
+        generate(lengths, True, 1)
+        rows.append(("compaction, unsplit attn", lengths, True, 1))
     lines = [f"{size} longtail: B={batch} groups of {group}, prompt {prompt_len}, lengths median {shape.median} cap "
              f"{cap}: mean {statistics.mean(lengths):.0f}, longest {max(lengths)}, {sum(lengths)} tokens; {kernels}",
              f"{'variant':26} {'generate_s':>10} {'kept tok/s':>10} {'vs first':>8}"]
     base = None
-    for label, limits, compact in rows:
-        seconds = generate(limits, compact)
+    for label, limits, compact, max_splits in rows:
+        seconds = generate(limits, compact, max_splits)
         base = base or seconds
         lines.append(f"{label:26} {seconds:10.3f} {sum(lengths) / seconds:10.0f} {base / seconds:7.2f}x")
         print(lines[-1], flush=True)
@@ -314,7 +327,7 @@ def main() -> None:
                          "first --kernels entry); admissions: the async placement's one call per group on those "
                          "lengths, one chunk per call vs waiting calls merged; --sizes tiny runs either on a CPU")
     a = ap.parse_args()
-    # the long-tailed table compares three ways of running one kernel choice, so it takes the fast one by default
+    # the long-tailed table compares ways of running one kernel choice, so it takes the fast one by default
     a.kernels = a.kernels or ("torch,triton" if a.workload == "fixed" else "triton")
     if a.workload != "fixed":
         table = longtail_rollouts if a.workload == "longtail" else admission_rollouts

@@ -11,7 +11,8 @@ of the reference functions:
   (online softmax, flash-decoding style) of one token over only the row's live slots (its prompt's,
   stored once per distinct prompt, then its own generated ones): one program per (row, KV head) loads
   the cache once for all the query heads that share it, so the bytes read are the KV cache's live part,
-  not the whole preallocated length;
+  not the whole preallocated length; a small batch (a compacted long tail) splits each row's context
+  over several programs and merges their softmax states in a second kernel (``attention_splits``);
 * ``race_sample``: the exponential race over the vocabulary with the hash drawn in registers, plus the
   log-sum-exp for the log-prob, in one pass over the logits (no float32 copy, no cumulative sum); in
   base 2 with the hardware log2 on a GPU, so the same draw as the reference up to rounding.
@@ -22,6 +23,9 @@ tests/unit/test_triton_interpreted.py).
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 import triton
@@ -254,9 +258,11 @@ def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, p
                              stride_qkv, stride_pb, stride_ph, stride_ps, stride_gb, stride_gh, stride_gs,
                              N_HEADS: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr, HAS_NEED: tl.constexpr):
+                             PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr, HAS_NEED: tl.constexpr,
+                             SPLITS: tl.constexpr, m_part_ptr, l_part_ptr, acc_part_ptr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    split = tl.program_id(2)  # SPLITS > 1: this program's share of each part's blocks (flash-decoding)
     half: tl.constexpr = D // 2
     step = tl.load(step_ptr).to(tl.int32)
     gen_slot = step - 1  # the fed token's slot in the row's generated cache
@@ -287,15 +293,24 @@ def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, p
     k = (k * cos + tl.load(k_at + partner).to(tl.float32) * sign * sin).to(dtype)
     v = tl.load(row + (N_HEADS + N_KV + h) * D + offs_d)
     gen_off = b * stride_gb + h * stride_gh
-    tl.store(gk_ptr + gen_off + gen_slot * stride_gs + offs_d, k)
-    tl.store(gv_ptr + gen_off + gen_slot * stride_gs + offs_d, v)
+    first = split == 0  # the first split writes the token's k, v and counts it; the others never read its slot
+    tl.store(gk_ptr + gen_off + gen_slot * stride_gs + offs_d, k, mask=(offs_d < D) & first)
+    tl.store(gv_ptr + gen_off + gen_slot * stride_gs + offs_d, v, mask=(offs_d < D) & first)
     # the current token from registers; then the prompt's live slots from its shared entry (the rows of a
     # group run side by side, so all but the first read it from L2), then the row's older generated slots
+    # (the other splits keep the token's score as their first reference max, with nothing summed yet)
     m = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * sm_scale
-    l_sum = tl.full([GROUP_PAD], 1.0, tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32) + v.to(tl.float32)[None, :]
+    l_sum = tl.where(first, tl.full([GROUP_PAD], 1.0, tl.float32), 0.0)
+    acc = tl.where(first, tl.zeros([GROUP_PAD, D], dtype=tl.float32) + v.to(tl.float32)[None, :], 0.0)
     offs_n0 = tl.arange(0, BLOCK_N)
     prompt_off = prompt_row * stride_pb + h * stride_ph
+    # each split takes a contiguous share of each part's blocks; one split: the whole parts
+    prompt_lo = (start // BLOCK_N) * BLOCK_N
+    prompt_per = tl.cdiv(tl.cdiv(tl.maximum(prompt_end - prompt_lo, 0), BLOCK_N), SPLITS) * BLOCK_N
+    prompt_hi = tl.minimum(prompt_lo + (split + 1) * prompt_per, prompt_end)
+    prompt_lo += split * prompt_per
+    gen_per = tl.cdiv(tl.cdiv(gen_end, BLOCK_N), SPLITS) * BLOCK_N
+    gen_lo, gen_hi = split * gen_per, tl.minimum((split + 1) * gen_per, gen_end)
     if ONE_LOOP:
         # one loop over the prompt's slots followed by the generated ones (slot n ≥ prompt_len is generated slot
         # n - prompt_len), each slot's pointer chosen into its part: one software-pipeline prologue per program
@@ -312,23 +327,43 @@ def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, p
             vb = tl.load(slot_v[:, None] + offs_d[None, :], mask=live_n[:, None], other=0.0)
             m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
     else:
-        for n0 in range((start // BLOCK_N) * BLOCK_N, prompt_end, BLOCK_N):
+        for n0 in range(prompt_lo, prompt_hi, BLOCK_N):
             offs_n = n0 + offs_n0
             live_n = (offs_n >= start) & (offs_n < prompt_len)
             at = prompt_off + offs_n[:, None] * stride_ps + offs_d[None, :]
             kb = tl.load(pk_ptr + at, mask=live_n[:, None], other=0.0)
             vb = tl.load(pv_ptr + at, mask=live_n[:, None], other=0.0)
             m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
-        for n0 in range(0, gen_end, BLOCK_N):
+        for n0 in range(gen_lo, gen_hi, BLOCK_N):
             offs_n = n0 + offs_n0
             live_n = offs_n < gen_slot
             at = gen_off + offs_n[:, None] * stride_gs + offs_d[None, :]
             kb = tl.load(gk_ptr + at, mask=live_n[:, None], other=0.0)
             vb = tl.load(gv_ptr + at, mask=live_n[:, None], other=0.0)
             m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
-    out = (acc / l_sum[:, None]).to(dtype)
-    tl.store(out_ptr + b * (N_HEADS * D) + (h * GROUP + offs_g)[:, None] * D + offs_d[None, :], out,
-             mask=live_g[:, None])
+    if SPLITS == 1:
+        out = (acc / l_sum[:, None]).to(dtype)
+        tl.store(out_ptr + b * (N_HEADS * D) + (h * GROUP + offs_g)[:, None] * D + offs_d[None, :], out,
+                 mask=live_g[:, None])
+    else:  # the split's softmax state, for _attention_merge_kernel
+        part = (b * N_HEADS + h * GROUP + offs_g) * SPLITS + split
+        tl.store(m_part_ptr + part, m, mask=live_g)
+        tl.store(l_part_ptr + part, l_sum, mask=live_g)
+        tl.store(acc_part_ptr + part[:, None] * D + offs_d[None, :], acc, mask=live_g[:, None])
+
+
+@triton.jit
+def _attention_merge_kernel(m_part_ptr, l_part_ptr, acc_part_ptr, out_ptr, SPLITS: tl.constexpr, D: tl.constexpr):
+    """Program (row, query head): the splits' softmax states into the output (an empty split has l = 0, acc = 0:
+    it adds nothing)."""
+    r = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    m = tl.load(m_part_ptr + r * SPLITS + offs_s)
+    w = tl.exp(m - tl.max(m, 0))
+    acc = tl.load(acc_part_ptr + (r * SPLITS + offs_s)[:, None] * D + offs_d[None, :])
+    total = tl.sum(tl.load(l_part_ptr + r * SPLITS + offs_s) * w, 0)
+    tl.store(out_ptr + r * D + offs_d, (tl.sum(acc * w[:, None], 0) / total).to(out_ptr.dtype.element_ty))
 
 
 def attention_launch(head_dim: int) -> tuple[int, int, int]:
@@ -339,15 +374,61 @@ def attention_launch(head_dim: int) -> tuple[int, int, int]:
     return (32, 2, 3) if head_dim <= 64 else (64, 4, 2)
 
 
+MAX_SPLITS = 16  # flash-decoding splits of one row's context at most (attention_splits)
+_SPLITS_FAILED: list[str] = []  # the split kernels' failure on this machine, once: the whole-context kernel from then on
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors; 1 off a GPU (Triton's interpreter: one split unless asked for)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def attention_splits(batch: int, n_kv: int, multiprocessor_count: int) -> int:
+    """How many programs share one (row, kv head)'s context: 1 while the batch's programs fill the GPU twice over
+    (B = 512 at 0.5B: the fixed workload's kernel), more for a compacted long-tailed chunk, whose few rows would
+    each be walked by one program over thousands of slots while most multiprocessors idle (benchmarks/NOTES.md
+    v19); a power of two up to MAX_SPLITS, fixed per captured graph (its batch size)."""
+    programs, target = batch * n_kv, 2 * multiprocessor_count
+    if programs >= target:
+        return 1
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(target, programs)))
+
+
 def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, gen_k: torch.Tensor,
                      gen_v: torch.Tensor, prompt_row_B: torch.Tensor, start_B: torch.Tensor, step: torch.Tensor,
                      pos_B: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, sm_scale: float, n_heads: int,
                      n_kv: int, block_n: int = 0, num_warps: int = 0, num_stages: int = 0,
-                     one_loop: bool = False, need_B: torch.Tensor | None = None) -> torch.Tensor:
+                     one_loop: bool = False, need_B: torch.Tensor | None = None, splits: int = 0) -> torch.Tensor:
     """decode_ops.decode_attention; a row with ``step >= need_B[row]`` is finished: no cache read, its output
     unspecified. Launch settings (0: ``attention_launch``'s for the head size). ``one_loop``: walk the prompt's
     and the generated slots in one loop (a candidate for the GPU to time, ``decode_bench.py --attention
-    one:...``; the same values)."""
+    one:...``; the same values; one split only). ``splits`` (0: ``attention_splits``; a power of two): programs
+    per (row, kv head), each over a share of the context, merged by a second kernel. A split kernel that fails
+    (compiling, launching) warns once and the whole-context kernel runs from then on in this process."""
+    B = qkv_BX.shape[0]
+    if splits == 0:
+        splits = 1 if one_loop or _SPLITS_FAILED else attention_splits(B, n_kv, multiprocessors(qkv_BX.device))
+    if splits < 1 or splits & (splits - 1) or splits > 1 and one_loop:
+        raise ValueError(f"decode_attention: splits={splits} must be a power of two (1 with one_loop)")
+    if splits > 1:
+        try:
+            return _decode_attention(qkv_BX, prompt_k, prompt_v, gen_k, gen_v, prompt_row_B, start_B, step, pos_B,
+                                     inv_freq, rope_scale, sm_scale, n_heads, n_kv, block_n, num_warps, num_stages,
+                                     False, need_B, splits)
+        except Exception as exc:  # noqa: BLE001 - Triton's own errors only; anything else is re-raised
+            if type(exc).__module__.split(".")[0] != "triton":
+                raise
+            _SPLITS_FAILED.append(f"{type(exc).__name__}: {exc}")
+            warnings.warn(f"decode attention: the split-context kernels failed ({_SPLITS_FAILED[0][:300]}); "
+                          "decoding with one program per row and kv head from now on")
+    return _decode_attention(qkv_BX, prompt_k, prompt_v, gen_k, gen_v, prompt_row_B, start_B, step, pos_B, inv_freq,
+                             rope_scale, sm_scale, n_heads, n_kv, block_n, num_warps, num_stages, one_loop, need_B, 1)
+
+
+def _decode_attention(qkv_BX, prompt_k, prompt_v, gen_k, gen_v, prompt_row_B, start_B, step, pos_B, inv_freq,
+                      rope_scale, sm_scale, n_heads, n_kv, block_n, num_warps, num_stages, one_loop, need_B,
+                      splits) -> torch.Tensor:
     B, d = qkv_BX.shape[0], gen_k.shape[-1]
     default_block_n, default_warps, default_stages = attention_launch(d)
     block_n, num_warps, num_stages = block_n or default_block_n, num_warps or default_warps, num_stages or default_stages
@@ -359,15 +440,22 @@ def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
     group = n_heads // n_kv
     out = torch.empty((B, n_heads * d), dtype=qkv_BX.dtype, device=qkv_BX.device)
     precision = "ieee" if qkv_BX.dtype == torch.float32 else None  # float32 models: no TF32 rounding
-    _decode_attention_kernel[(B, n_kv)](
+    parts = [out] * 3  # one split: never touched
+    if splits > 1:
+        parts = [torch.empty((B, n_heads, splits, *shape), dtype=torch.float32, device=qkv_BX.device)
+                 for shape in ((), (), (d,))]
+    _decode_attention_kernel[(B, n_kv, splits)](
         qkv_BX, prompt_k, prompt_v, gen_k, gen_v, out, prompt_row_B, start_B, step,
         step if need_B is None else need_B, pos_B, inv_freq,
         int(prompt_k.shape[2]), float(rope_scale), float(sm_scale), qkv_BX.stride(0),
         prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2), gen_k.stride(0), gen_k.stride(1),
         gen_k.stride(2), N_HEADS=n_heads, N_KV=n_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         D=d, BLOCK_N=block_n, PRECISION=precision, ONE_LOOP=bool(one_loop), HAS_NEED=need_B is not None,
+        SPLITS=splits, m_part_ptr=parts[0], l_part_ptr=parts[1], acc_part_ptr=parts[2],
         num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _attention_merge_kernel[(B * n_heads,)](*parts, out, SPLITS=splits, D=d, num_warps=1)
     return out
 
 
-__all__ = ["add_rmsnorm", "attention_launch", "decode_attention", "race_sample", "silu_mul"]
+__all__ = ["add_rmsnorm", "attention_launch", "attention_splits", "decode_attention", "race_sample", "silu_mul"]

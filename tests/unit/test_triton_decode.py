@@ -184,7 +184,8 @@ def test_static_decoder_with_triton_kernels_matches_the_torch_ops_and_a_full_for
 def test_static_decoder_with_rows_that_finish_early_matches_the_torch_ops(monkeypatch):
     """Rows that end early (their own max_new_tokens, or a stop token) are skipped by the Triton kernels for the
     rest of the chunk, and the chunk compacts to its running rows (hf_fast.should_compact, thresholds lowered
-    for three rows); every sample is the torch ops' (which compute every row at every step)."""
+    for three rows); every sample is the torch ops' (which compute every row at every step). The attention splits
+    each row's context as on a GPU of 4 multiprocessors (2 splits for 3 rows, 4 once compacted to 1)."""
     import asyncio
     from dataclasses import replace
 
@@ -194,12 +195,15 @@ def test_static_decoder_with_rows_that_finish_early_matches_the_torch_ops(monkey
 
     model, reqs = _tiny_model_and_requests()
     reqs = [replace(reqs[0], max_new_tokens=12), reqs[1], replace(reqs[2], max_new_tokens=40)]
-    runs, sizes, compacted = {}, [], hf_fast.StaticDecoder.compacted
+    runs, sizes, compacted, splits_seen = {}, [], hf_fast.StaticDecoder.compacted, set()
     for kernels in ("torch", "triton"):
         if kernels == "triton":
             monkeypatch.setattr(hf_fast, "COMPACT_MIN_ROWS", 2)
             monkeypatch.setattr(hf_fast, "COMPACT_FRACTION", 0.7)
             monkeypatch.setattr(hf_fast, "COMPACT_MIN_STEPS", 1)
+            monkeypatch.setattr(tri, "multiprocessors", lambda device: 4)
+            choose = tri.attention_splits
+            monkeypatch.setattr(tri, "attention_splits", lambda *a: splits_seen.add(choose(*a)) or choose(*a))
             monkeypatch.setattr(hf_fast.StaticDecoder, "compacted",
                                 lambda self, keep: (sizes.append((self.B, len(keep))), compacted(self, keep))[1])
         # stop id 7 of 50: some rows end on it within 70 tokens, others at their limits
@@ -209,6 +213,7 @@ def test_static_decoder_with_rows_that_finish_early_matches_the_torch_ops(monkey
     reasons = [s.finish_reason for s in runs["triton"]]
     assert "length" in reasons and [len(s.response_ids) for s in runs["triton"]] != [70, 70, 70]
     assert sizes and sizes[0][0] == 3 and sizes[-1][1] >= 1
+    assert 2 in splits_seen and max(splits_seen) >= 2
     for a, b in zip(runs["torch"], runs["triton"]):
         assert (a.response_ids, a.finish_reason) == (b.response_ids, b.finish_reason)
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
@@ -292,3 +297,78 @@ def test_compacted_chunks_capture_their_own_graph_and_decode_as_the_eager_steps(
     for (ids_e, lp_e), (ids_g, lp_g) in zip(eager, graphed):
         assert ids_g == ids_e
         assert lp_g == pytest.approx(lp_e, abs=1e-4)
+
+
+@pytest.mark.parametrize("splits", [2, 4, 16])
+def test_split_context_attention_matches_the_reference(splits):
+    """Each (row, kv head)'s context split over ``splits`` programs and merged: the reference's output and cache
+    writes, with more splits than some rows have blocks (empty splits), a finished row poisoned with NaN, prompt
+    slots before the row's start and generated slots past its step poisoned with 1e4."""
+    g = torch.Generator().manual_seed(6)
+    n_heads, n_kv, d, B, U, Lp, G, step = 6, 2, 16, 5, 3, 70, 80, 67
+    prompt_row = torch.tensor([0, 1, 1, 2, 2], device=DEV)
+    start = torch.tensor([0, 5, 5, 69, 69], device=DEV)
+    qkv = torch.randn(B, (n_heads + 2 * n_kv) * d, generator=g).to(DEV)
+    pk, pv = (torch.randn(U, n_kv, Lp, d, generator=g).to(DEV) for _ in range(2))
+    gk, gv = (torch.randn(B, n_kv, G, d, generator=g).to(DEV) for _ in range(2))
+    pos = torch.tensor([136, 131, 131, 67, 67], device=DEV)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)).to(DEV)
+    args = (prompt_row, start, torch.tensor([step], device=DEV), pos, inv_freq, 1.0, 1 / math.sqrt(d), n_heads, n_kv)
+    ref_caches = [t.clone() for t in (pk, pv, gk, gv)]
+    expected = ref.decode_attention(qkv, *ref_caches, *args)
+    need = torch.tensor([80, 80, 80, 80, step], device=DEV)  # row 4 is finished
+    for u, s in ((0, 0), (1, 5), (2, 69)):
+        pk[u, :, :s] = 1e4
+    gk[:, :, step:] = 1e4
+    gk[4, :, : step - 1], gv[4, :, : step - 1] = float("nan"), float("nan")
+    for block_n in (16, 32):
+        caches = [t.clone() for t in (pk, pv, gk, gv)]
+        out = tri.decode_attention(qkv, *caches, *args, block_n=block_n, need_B=need, splits=splits)
+        torch.testing.assert_close(out[:4], expected[:4], atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(out[4]).all()
+        # the token's k and v written once, into slot step - 1 of every row (the first split's job)
+        torch.testing.assert_close(caches[2][:4, :, step - 1], ref_caches[2][:4, :, step - 1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(caches[3][:, :, step - 1], ref_caches[3][:, :, step - 1])
+
+
+def test_split_count_follows_the_batch_and_bad_counts_are_refused():
+    h200 = 132  # multiprocessors
+    assert tri.attention_splits(512, 2, h200) == 1 and tri.attention_splits(132, 2, h200) == 1
+    assert tri.attention_splits(127, 2, h200) == 2 and tri.attention_splits(31, 2, h200) == 8
+    assert tri.attention_splits(7, 2, h200) == tri.MAX_SPLITS
+    qkv = torch.zeros(2, 10 * 16, device=DEV)
+    with pytest.raises(ValueError, match="splits=3 must be a power of two"):
+        tri.decode_attention(qkv, *([torch.zeros(1, 2, 4, 16, device=DEV)] * 2),
+                             *([torch.zeros(2, 2, 4, 16, device=DEV)] * 2), None, None, None, None, None, 1.0, 1.0,
+                             6, 2, splits=3)
+
+
+def test_a_failing_split_kernel_warns_once_and_the_whole_context_kernel_takes_over(monkeypatch):
+    g = torch.Generator().manual_seed(8)
+    n_heads, n_kv, d, B, Lp, G, step = 4, 2, 16, 2, 8, 12, 5
+    qkv = torch.randn(B, (n_heads + 2 * n_kv) * d, generator=g).to(DEV)
+    caches = [torch.randn(n, n_kv, s, d, generator=g).to(DEV) for n, s in ((1, Lp), (1, Lp), (B, G), (B, G))]
+    args = (torch.tensor([0, 0], device=DEV), torch.tensor([0, 2], device=DEV), torch.tensor([step], device=DEV),
+            torch.tensor([12, 10], device=DEV), torch.ones(d // 2, device=DEV), 1.0, 0.25, n_heads, n_kv)
+    expected = ref.decode_attention(qkv, *[c.clone() for c in caches], *args)
+    TritonError = type("OutOfResources", (RuntimeError,), {"__module__": "triton.runtime.errors"})
+    launch, calls = tri._decode_attention, []
+
+    def failing(*a):
+        calls.append(a[-1])
+        if a[-1] > 1:
+            raise TritonError("out of shared memory")
+        return launch(*a)
+
+    monkeypatch.setattr(tri, "_decode_attention", failing)
+    monkeypatch.setattr(tri, "_SPLITS_FAILED", [])
+    with pytest.warns(UserWarning, match=r"split-context kernels failed \(OutOfResources: out of shared memory\)"):
+        out = tri.decode_attention(qkv, *[c.clone() for c in caches], *args, splits=4)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(tri, "multiprocessors", lambda device: 132)  # auto would split: the failure is remembered
+    again = tri.decode_attention(qkv, *[c.clone() for c in caches], *args)
+    torch.testing.assert_close(again, expected, atol=1e-5, rtol=1e-5)
+    assert calls == [4, 1, 1]
+    monkeypatch.setattr(tri, "_decode_attention", lambda *a: (_ for _ in ()).throw(KeyError("not triton's")))
+    with pytest.raises(KeyError):
+        tri.decode_attention(qkv, *[c.clone() for c in caches], *args, splits=2)
