@@ -114,23 +114,18 @@ def measure(model, kernels: str, prompts: list[list[int]], n_new: int, profile: 
 
 @contextlib.contextmanager
 def attention_settings(spec: str):
-    """Inside, the Triton decode attention launches with ``spec``: "default" (as shipped), BLOCK_N/WARPS/STAGES,
-    and either with the prefix "one:" (or "one" alone: the shipped launch) for the single-loop walk over the
-    prompt's and the generated slots."""
+    """Inside, the Triton decode attention launches with ``spec`` (BLOCK_N/WARPS/STAGES; "default": as shipped)."""
     from streamrft.engines import triton_decode as tri
 
     if spec == "default":
         yield
         return
-    one_loop = spec == "one" or spec.startswith("one:")
-    launch = (spec.removeprefix("one").removeprefix(":") or "0/0/0") if one_loop else spec  # 0: attention_launch's
     try:
-        block_n, warps, stages = (int(x) for x in launch.split("/"))
+        block_n, warps, stages = (int(x) for x in spec.split("/"))
     except ValueError:
-        raise SystemExit(f"--attention {spec!r}: use default, BLOCK_N/WARPS/STAGES, one or one:BLOCK_N/WARPS/STAGES")
+        raise SystemExit(f"--attention {spec!r}: use default or BLOCK_N/WARPS/STAGES")
     shipped = tri.decode_attention
-    tri.decode_attention = functools.partial(shipped, block_n=block_n, num_warps=warps, num_stages=stages,
-                                             one_loop=one_loop)
+    tri.decode_attention = functools.partial(shipped, block_n=block_n, num_warps=warps, num_stages=stages)
     try:
         yield
     finally:
@@ -165,20 +160,18 @@ def tune(sizes: list[str], batch: int, prompt_len: int, ctx: int, vocab: int, gr
         pos = torch.full((batch,), ctx, device=dev)
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
         kv_bytes = 2 * batch * n_kv * ctx * d * 2  # as if every row read its own prompt slots (the floor's count)
-        launches = list(dict.fromkeys([tri.attention_launch(d), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2),
+        settings = list(dict.fromkeys([tri.attention_launch(d), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2),
                                        (32, 4, 2), (64, 2, 2), (64, 2, 3), (64, 2, 4), (32, 2, 2), (32, 2, 3),
                                        (128, 2, 2), (128, 4, 3), (256, 8, 2)]))
-        settings = [(*launch, one_loop) for one_loop in (False, True) for launch in launches]  # two loops, then one
         times: dict[tuple, list[float]] = {k: [] for k in settings}
         for r in range(rounds):  # the settings interleaved, each round in a fresh order: clock drift spreads evenly
-            for bn, warps, stages, one_loop in random.Random(r).sample(settings, len(settings)):
-                times[(bn, warps, stages, one_loop)].append(do_bench(lambda: tri.decode_attention(
+            for bn, warps, stages in random.Random(r).sample(settings, len(settings)):
+                times[(bn, warps, stages)].append(do_bench(lambda: tri.decode_attention(
                     qkv, pk, pv, gk, gv, prompt_row, start, step, pos, inv_freq, 1.0, 1 / math.sqrt(d), n_h, n_kv, bn,
-                    warps, stages, one_loop)))
-        for (bn, warps, stages, one_loop), ms_all in times.items():
+                    warps, stages)))
+        for (bn, warps, stages), ms_all in times.items():
             ms = statistics.median(ms_all)
-            print(f"tune attention {size} groups={g} ctx={ctx} loops={1 if one_loop else 2} block_n={bn} warps={warps} "
-                  f"stages={stages}: "
+            print(f"tune attention {size} groups={g} ctx={ctx} block_n={bn} warps={warps} stages={stages}: "
                   f"{1000 * ms:.1f} us (median of {rounds}; {', '.join(f'{1000 * t:.1f}' for t in ms_all)}) "
                   f"= {kv_bytes / ms / 1e9:.2f} TB/s of KV read", flush=True)
         del pk, pv, gk, gv
@@ -318,9 +311,8 @@ def main() -> None:
     ap.add_argument("--tune-only", action="store_true", help="stop after --tune")
     ap.add_argument("--tune-rounds", type=int, default=1, help="--tune: time every attention setting this many times")
     ap.add_argument("--attention", default="default",
-                    help="the Triton decode attention's launch settings to decode with, comma-separated: default, "
-                         "BLOCK_N/WARPS/STAGES, one (the single-loop kernel) or one:BLOCK_N/WARPS/STAGES "
-                         "(e.g. default,one,32/2/2): one row each")
+                    help="the Triton decode attention's launch settings to decode with, comma-separated: default or "
+                         "BLOCK_N/WARPS/STAGES (e.g. default,32/2/2): one row each")
     ap.add_argument("--workload", choices=("fixed", "longtail", "admissions"), default="fixed",
                     help="longtail: the engine on long-tailed lengths (median --new/8, capped at --new), every row "
                          "to the longest vs finished rows skipped vs skipped + compaction (first --groups entry, "

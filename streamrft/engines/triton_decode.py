@@ -258,7 +258,7 @@ def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, p
                              stride_qkv, stride_pb, stride_ph, stride_ps, stride_gb, stride_gh, stride_gs,
                              N_HEADS: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             PRECISION: tl.constexpr, ONE_LOOP: tl.constexpr, HAS_NEED: tl.constexpr,
+                             PRECISION: tl.constexpr, HAS_NEED: tl.constexpr,
                              SPLITS: tl.constexpr, m_part_ptr, l_part_ptr, acc_part_ptr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -311,36 +311,20 @@ def _decode_attention_kernel(qkv_ptr, pk_ptr, pv_ptr, gk_ptr, gv_ptr, out_ptr, p
     prompt_lo += split * prompt_per
     gen_per = tl.cdiv(tl.cdiv(gen_end, BLOCK_N), SPLITS) * BLOCK_N
     gen_lo, gen_hi = split * gen_per, tl.minimum((split + 1) * gen_per, gen_end)
-    if ONE_LOOP:
-        # one loop over the prompt's slots followed by the generated ones (slot n ≥ prompt_len is generated slot
-        # n - prompt_len), each slot's pointer chosen into its part: one software-pipeline prologue per program
-        # instead of one per part (a block may straddle the two)
-        for n0 in range((start // BLOCK_N) * BLOCK_N, prompt_end + gen_end, BLOCK_N):
-            offs_n = n0 + offs_n0
-            live_n = (offs_n >= start) & (offs_n < prompt_len + gen_slot)
-            in_prompt = offs_n < prompt_len
-            slot_k = tl.where(in_prompt, pk_ptr + prompt_off + offs_n * stride_ps,
-                              gk_ptr + gen_off + (offs_n - prompt_len) * stride_gs)
-            slot_v = tl.where(in_prompt, pv_ptr + prompt_off + offs_n * stride_ps,
-                              gv_ptr + gen_off + (offs_n - prompt_len) * stride_gs)
-            kb = tl.load(slot_k[:, None] + offs_d[None, :], mask=live_n[:, None], other=0.0)
-            vb = tl.load(slot_v[:, None] + offs_d[None, :], mask=live_n[:, None], other=0.0)
-            m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
-    else:
-        for n0 in range(prompt_lo, prompt_hi, BLOCK_N):
-            offs_n = n0 + offs_n0
-            live_n = (offs_n >= start) & (offs_n < prompt_len)
-            at = prompt_off + offs_n[:, None] * stride_ps + offs_d[None, :]
-            kb = tl.load(pk_ptr + at, mask=live_n[:, None], other=0.0)
-            vb = tl.load(pv_ptr + at, mask=live_n[:, None], other=0.0)
-            m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
-        for n0 in range(gen_lo, gen_hi, BLOCK_N):
-            offs_n = n0 + offs_n0
-            live_n = offs_n < gen_slot
-            at = gen_off + offs_n[:, None] * stride_gs + offs_d[None, :]
-            kb = tl.load(gk_ptr + at, mask=live_n[:, None], other=0.0)
-            vb = tl.load(gv_ptr + at, mask=live_n[:, None], other=0.0)
-            m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
+    for n0 in range(prompt_lo, prompt_hi, BLOCK_N):
+        offs_n = n0 + offs_n0
+        live_n = (offs_n >= start) & (offs_n < prompt_len)
+        at = prompt_off + offs_n[:, None] * stride_ps + offs_d[None, :]
+        kb = tl.load(pk_ptr + at, mask=live_n[:, None], other=0.0)
+        vb = tl.load(pv_ptr + at, mask=live_n[:, None], other=0.0)
+        m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
+    for n0 in range(gen_lo, gen_hi, BLOCK_N):
+        offs_n = n0 + offs_n0
+        live_n = offs_n < gen_slot
+        at = gen_off + offs_n[:, None] * stride_gs + offs_d[None, :]
+        kb = tl.load(gk_ptr + at, mask=live_n[:, None], other=0.0)
+        vb = tl.load(gv_ptr + at, mask=live_n[:, None], other=0.0)
+        m, l_sum, acc = _attend_block(q, kb, vb, live_n, m, l_sum, acc, sm_scale, PRECISION)
     if SPLITS == 1:
         out = (acc / l_sum[:, None]).to(dtype)
         tl.store(out_ptr + b * (N_HEADS * D) + (h * GROUP + offs_g)[:, None] * D + offs_d[None, :], out,
@@ -399,23 +383,22 @@ def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
                      gen_v: torch.Tensor, prompt_row_B: torch.Tensor, start_B: torch.Tensor, step: torch.Tensor,
                      pos_B: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, sm_scale: float, n_heads: int,
                      n_kv: int, block_n: int = 0, num_warps: int = 0, num_stages: int = 0,
-                     one_loop: bool = False, need_B: torch.Tensor | None = None, splits: int = 0) -> torch.Tensor:
+                     need_B: torch.Tensor | None = None, splits: int = 0) -> torch.Tensor:
     """decode_ops.decode_attention; a row with ``step >= need_B[row]`` is finished: no cache read, its output
-    unspecified. Launch settings (0: ``attention_launch``'s for the head size). ``one_loop``: walk the prompt's
-    and the generated slots in one loop (a candidate for the GPU to time, ``decode_bench.py --attention
-    one:...``; the same values; one split only). ``splits`` (0: ``attention_splits``; a power of two): programs
+    unspecified. Launch settings (0: ``attention_launch``'s for the head size). ``splits`` (0: ``attention_splits``;
+    a power of two): programs
     per (row, kv head), each over a share of the context, merged by a second kernel. A split kernel that fails
     (compiling, launching) warns once and the whole-context kernel runs from then on in this process."""
     B = qkv_BX.shape[0]
     if splits == 0:
-        splits = 1 if one_loop or _SPLITS_FAILED else attention_splits(B, n_kv, multiprocessors(qkv_BX.device))
-    if splits < 1 or splits & (splits - 1) or splits > 1 and one_loop:
-        raise ValueError(f"decode_attention: splits={splits} must be a power of two (1 with one_loop)")
+        splits = 1 if _SPLITS_FAILED else attention_splits(B, n_kv, multiprocessors(qkv_BX.device))
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"decode_attention: splits={splits} must be a power of two")
     if splits > 1:
         try:
             return _decode_attention(qkv_BX, prompt_k, prompt_v, gen_k, gen_v, prompt_row_B, start_B, step, pos_B,
                                      inv_freq, rope_scale, sm_scale, n_heads, n_kv, block_n, num_warps, num_stages,
-                                     False, need_B, splits)
+                                     need_B, splits)
         except Exception as exc:  # noqa: BLE001 - Triton's own errors only; anything else is re-raised
             if type(exc).__module__.split(".")[0] != "triton":
                 raise
@@ -423,12 +406,11 @@ def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
             warnings.warn(f"decode attention: the split-context kernels failed ({_SPLITS_FAILED[0][:300]}); "
                           "decoding with one program per row and kv head from now on")
     return _decode_attention(qkv_BX, prompt_k, prompt_v, gen_k, gen_v, prompt_row_B, start_B, step, pos_B, inv_freq,
-                             rope_scale, sm_scale, n_heads, n_kv, block_n, num_warps, num_stages, one_loop, need_B, 1)
+                             rope_scale, sm_scale, n_heads, n_kv, block_n, num_warps, num_stages, need_B, 1)
 
 
 def _decode_attention(qkv_BX, prompt_k, prompt_v, gen_k, gen_v, prompt_row_B, start_B, step, pos_B, inv_freq,
-                      rope_scale, sm_scale, n_heads, n_kv, block_n, num_warps, num_stages, one_loop, need_B,
-                      splits) -> torch.Tensor:
+                      rope_scale, sm_scale, n_heads, n_kv, block_n, num_warps, num_stages, need_B, splits) -> torch.Tensor:
     B, d = qkv_BX.shape[0], gen_k.shape[-1]
     default_block_n, default_warps, default_stages = attention_launch(d)
     block_n, num_warps, num_stages = block_n or default_block_n, num_warps or default_warps, num_stages or default_stages
@@ -450,7 +432,7 @@ def _decode_attention(qkv_BX, prompt_k, prompt_v, gen_k, gen_v, prompt_row_B, st
         int(prompt_k.shape[2]), float(rope_scale), float(sm_scale), qkv_BX.stride(0),
         prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2), gen_k.stride(0), gen_k.stride(1),
         gen_k.stride(2), N_HEADS=n_heads, N_KV=n_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        D=d, BLOCK_N=block_n, PRECISION=precision, ONE_LOOP=bool(one_loop), HAS_NEED=need_B is not None,
+        D=d, BLOCK_N=block_n, PRECISION=precision, HAS_NEED=need_B is not None,
         SPLITS=splits, m_part_ptr=parts[0], l_part_ptr=parts[1], acc_part_ptr=parts[2],
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:

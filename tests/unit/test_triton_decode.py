@@ -67,10 +67,8 @@ def test_decode_attention_matches_the_reference(dtype, n_heads, n_kv, d):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
     # every block size the launch table uses (attention_launch: 32 for head_dim <= 64, 64 above), whatever the default
-    # and the single-loop walk over both parts (a block straddles the prompt's end and the generated start)
-    for block_n, one_loop in ((32, False), (64, False), (32, True), (64, True)):
-        other = tri.decode_attention(qkv, *[c.clone() for c in caches0], *args, block_n=block_n,
-                                     one_loop=one_loop).float()
+    for block_n in (32, 64):
+        other = tri.decode_attention(qkv, *[c.clone() for c in caches0], *args, block_n=block_n).float()
         torch.testing.assert_close(other, outs[0], atol=tol, rtol=tol)
     # the token's k (rotated) and v land in generated slot step - 1 of every row; nothing else is written
     torch.testing.assert_close(caches[1][2].float(), caches[0][2].float(), atol=tol, rtol=tol)
@@ -83,9 +81,8 @@ def test_decode_attention_matches_the_reference(dtype, n_heads, n_kv, d):
     for u, s in ((0, 0), (1, 5), (2, 69)):
         pk[u, :, :s] = 1e4
     gk[:, :, step:] = 1e4
-    for one_loop in (False, True):
-        poisoned = tri.decode_attention(qkv, pk, pv, gk, gv, *args, one_loop=one_loop).float()
-        torch.testing.assert_close(poisoned, outs[1], atol=tol, rtol=tol)
+    poisoned = tri.decode_attention(qkv, pk, pv, gk, gv, *args).float()
+    torch.testing.assert_close(poisoned, outs[1], atol=tol, rtol=tol)
 
 
 def test_decode_attention_skips_finished_rows():
@@ -105,10 +102,9 @@ def test_decode_attention_skips_finished_rows():
     # row 3 (alone on prompt entry 2) needs 25 tokens: finished at step 25; row 0 needs 26 (running)
     need = torch.tensor([26, 40, 40, step], device=DEV)
     pk[2], pv[2], gk[3], gv[3] = (torch.full_like(t, float("nan")) for t in (pk[2], pv[2], gk[3], gv[3]))
-    for one_loop in (False, True):
-        out = tri.decode_attention(qkv, pk, pv, gk.clone(), gv.clone(), *args, one_loop=one_loop, need_B=need)
-        torch.testing.assert_close(out[:3], expected[:3], atol=1e-5, rtol=1e-5)
-        assert torch.isfinite(out[3]).all()
+    out = tri.decode_attention(qkv, pk, pv, gk.clone(), gv.clone(), *args, need_B=need)
+    torch.testing.assert_close(out[:3], expected[:3], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out[3]).all()
 
 
 def test_race_sample_kernel_skips_finished_rows():
