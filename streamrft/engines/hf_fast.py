@@ -70,7 +70,7 @@ def check_static_support(module: torch.nn.Module) -> None:
                          f"(sliding_window={config.sliding_window}); set engine.static_cache=false")
 
 
-def _is_triton_failure(exc: BaseException) -> bool:
+def is_triton_failure(exc: BaseException) -> bool:
     """An error raised by Triton itself (compiling or launching a kernel), or its import failing."""
     return type(exc).__module__.split(".")[0] == "triton" or isinstance(exc, ImportError)
 
@@ -469,7 +469,7 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
                 dec.capture(engine.decode_graph_pool.id)  # its warm-up step also compiles the decode kernels
                 engine.decode_graph_pool.captured(dec.graph)
             except RuntimeError as exc:
-                if _is_triton_failure(exc):
+                if is_triton_failure(exc):
                     raise
                 warnings.warn(f"engine.cuda_graphs: capture failed ({exc}); decoding without CUDA graphs")
                 dec.graph = None
@@ -480,7 +480,7 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
             try:
                 return prepare(engine.decode_ops)
             except Exception as exc:
-                if engine.decode_ops is decode_ops or cfg.decode_kernels != "auto" or not _is_triton_failure(exc):
+                if engine.decode_ops is decode_ops or cfg.decode_kernels != "auto" or not is_triton_failure(exc):
                     raise
                 # auto chose Triton but it cannot compile or run here: say so once, decode with the torch ops
                 warnings.warn(f"engine.decode_kernels=auto: the Triton kernels failed ({type(exc).__name__}: {exc}); "
@@ -519,7 +519,7 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
                     smaller.capture(engine.decode_graph_pool.id)
                     engine.decode_graph_pool.captured(smaller.graph)
         except RuntimeError as exc:  # out of memory, a failed capture: the decoder in use is intact, keep it
-            if _is_triton_failure(exc):
+            if is_triton_failure(exc):
                 raise
             warnings.warn(f"hf engine: compacting the chunk's {dec.B} rows to {len(keep)} failed ({exc}); "
                           "decoding on with every row")
@@ -568,4 +568,4 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
         del dec
 
 
-__all__ = ["StaticDecoder", "check_static_support", "decode_kernels", "generate_chunk_static"]
+__all__ = ["StaticDecoder", "check_static_support", "decode_kernels", "generate_chunk_static", "is_triton_failure"]

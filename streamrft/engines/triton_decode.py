@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from streamrft.engines import decode_ops as ref
+from streamrft.engines.hf_fast import is_triton_failure
 
 # kernels may read module globals only as constexpr values: the reference's hash constants
 M32 = tl.constexpr(ref.M32)
@@ -400,7 +401,7 @@ def decode_attention(qkv_BX: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
                                      inv_freq, rope_scale, sm_scale, n_heads, n_kv, block_n, num_warps, num_stages,
                                      need_B, splits)
         except Exception as exc:  # noqa: BLE001 - Triton's own errors only; anything else is re-raised
-            if type(exc).__module__.split(".")[0] != "triton":
+            if not is_triton_failure(exc):
                 raise
             _SPLITS_FAILED.append(f"{type(exc).__name__}: {exc}")
             warnings.warn(f"decode attention: the split-context kernels failed ({_SPLITS_FAILED[0][:300]}); "
