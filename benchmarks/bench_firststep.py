@@ -135,9 +135,10 @@ def first_step_table(rows: list[dict]) -> str:
              "the first rollout and train step; N: steady median; capture: CUDA-graph capture + Triton decode "
              "compile; compile1: torch.compile's share of the first step (layers, LM head); t2r1: the switch back "
              "to rollout that ends step 1; to_step1: launch to the end of the first train step; warm-up: the "
-             "compile warm-up child's outcome, its wall time from its start, and how long compile1 waited for it)",
+             "compile warm-up child's outcome, its wall time from its start, and how long compile1 waited for it; "
+             "kernels: the engine kernel warm-up child's outcome and wall time)",
              f"{'size':6} {'run':22} {'cache':5} " + " ".join(f"{c:>9}" for c, _ in COLUMNS)
-             + "  inductor hit/miss  warm-up"]
+             + "  inductor hit/miss  warm-up  kernels"]
     for r in rows:
         fs = r.get("first_step")
         if not fs:
@@ -147,6 +148,9 @@ def first_step_table(rows: list[dict]) -> str:
         warm = r.get("compile_warmup") or {}
         warm_cell = (f"{warm.get('status', 'not waited')} {warm.get('wall_s', 0):.1f}s, waited {warm['waited_s']:.1f}s"
                      if warm else "off")
+        kernels = r.get("kernel_warmup") or {}
+        kernels_cell = f"{kernels['status']} {kernels.get('wall_s', 0):.1f}s" if kernels else "off"
         lines.append(f"{r['size']:6} {r['system']:22} {r.get('cache', '?'):5} {cells}  "
-                     f"{ind.get('fxgraph_cache_hit', 0)}/{ind.get('fxgraph_cache_miss', 0)}  {warm_cell}")
+                     f"{ind.get('fxgraph_cache_hit', 0)}/{ind.get('fxgraph_cache_miss', 0)}  {warm_cell}  "
+                     f"{kernels_cell}")
     return "\n".join(lines)

@@ -220,6 +220,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     cfg = load_config(cfg_path, overrides_all)
     stamps.mark("config_loaded")
     warmup = compile_warmup.start_compile_warmup(cfg)  # train.compile_warmup (learner/compile_warmup.py)
+    kernels = compile_warmup.active_kernel_warmup()  # engine.kernel_warmup (engines/kernel_warmup.py)
     stamps.mark("warmup_started")
     import asyncio
 
@@ -356,6 +357,9 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         # the compile warm-up's child (None: train.compile_warmup off): its result (status, its compiles and their
         # seconds, its wall time from its start) and how long the first train step's compile waited for it
         "compile_warmup": warmup and {**(warmup.result or {}), "waited_s": round(warmup.waited_s, 3)},
+        # the engine's kernel warm-up child (None: engine.kernel_warmup off): its result, collected at the learner's
+        # first compile (after the first rollout) or when the run ended
+        "kernel_warmup": kernels and kernels.result,
         "first_step": breakdown(stamps.marks, stamps.calls, rows[0] if rows else {}),
         "stamps": stamps.to_json(),
     }

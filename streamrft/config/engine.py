@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Union
 
 from streamrft.config.base import Section
 
@@ -20,6 +20,12 @@ class EngineConfig(Section):
     cuda_graphs: bool = False  # hf: replay each decode step from a CUDA graph; needs static_cache and CUDA
     sync_every: int = 16  # hf static_cache: decode steps between host checks for finished rows
     decode_kernels: Literal["auto", "torch", "triton"] = "auto"  # hf static_cache: fused decode ops; auto = Triton on CUDA when installed
+    # a child process compiles the static-cache decode path's Triton kernels on a one-layer copy of the model while
+    # the run starts (every batch and prompt-length variant a chunk can launch), into Triton's cache (compile_cache_dir)
+    # so the first rollout loads them instead of compiling (engines/kernel_warmup.py). auto = on where that path runs
+    # Triton kernels on a GPU (engine.type=hf, static_cache=true, decode_kernels auto or triton); true = the same,
+    # an error where it would not run
+    kernel_warmup: Union[Literal["auto"], bool] = "auto"
     sleep_level: int = 1  # 1 = free KV cache; 2 = also release weights (vllm / sglang)
     request_timeout_s: float = 600.0  # remote vllm / sglang: seconds one HTTP call may take
     tensor_parallel_size: int = 1  # vllm in process: GPUs per engine (one engine per tensor-parallel group)
@@ -31,3 +37,11 @@ class EngineConfig(Section):
     weight_group_address: str = "127.0.0.1:29600"  # sglang distributed weight sync: host:port the trainer (rank 0) listens on
     weight_group_backend: Literal["nccl", "gloo"] = "nccl"  # sglang distributed weight sync: torch.distributed backend
     weight_group_server_ranks: int = 1  # sglang distributed weight sync: the server's tp_size (ranks besides the trainer)
+
+
+def kernel_warmup_enabled(cfg: EngineConfig, device_type: str) -> bool:
+    """engine.kernel_warmup resolved for an engine on ``device_type``: only where the hf engine's static-cache path
+    runs its Triton kernels (engines/hf_fast.decode_kernels; a missing triton package is the child's to report)."""
+    triton_path = (cfg.type == "hf" and cfg.static_cache and cfg.decode_kernels in ("auto", "triton")
+                   and device_type == "cuda")
+    return triton_path and cfg.kernel_warmup in ("auto", True)

@@ -56,6 +56,18 @@ def validate_engine(cfg) -> None:
     if e.cuda_graphs and not e.static_cache:
         raise ConfigError("engine.cuda_graphs=true needs engine.static_cache=true (graphs replay a decode step "
                           "over the preallocated KV cache)")
+    if e.kernel_warmup is True:
+        import torch
+
+        from streamrft.config.engine import kernel_warmup_enabled
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # the engine's device, as the learner's
+        if not kernel_warmup_enabled(e, device):
+            raise ConfigError(
+                "engine.kernel_warmup=true compiles the hf engine's Triton decode kernels ahead, and this run "
+                f"launches none (engine.type={e.type}, engine.static_cache={e.static_cache}, engine.decode_kernels="
+                f"{e.decode_kernels}, device {device}; they run with engine.type=hf, static_cache=true and "
+                "decode_kernels auto or triton on a GPU): leave engine.kernel_warmup at auto")
     if e.sleep_level not in (1, 2):
         raise ConfigError(f"engine.sleep_level={e.sleep_level} must be 1 (free the KV cache) or 2 (also release weights)")
     if e.sync_every < 1:

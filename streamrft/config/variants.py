@@ -38,6 +38,7 @@ VARIANT_KEYS: dict[str, tuple[str, tuple | str]] = {
     "engine.sync_every": ("engine.type", _HF),
     "engine.decode_kernels": ("engine.type", _HF),
     "engine.first_token_temperature": ("engine.type", _HF),
+    "engine.kernel_warmup": ("engine.static_cache", SET),  # it warms the static-cache path's kernels
     # engine: vLLM in process, vLLM / SGLang servers
     "engine.tensor_parallel_size": ("engine.type", _VLLM_IN_PROCESS),
     "engine.gpu_memory_utilization": ("engine.type", _VLLM_IN_PROCESS),

@@ -157,6 +157,15 @@ def _race_reduce_kernel(best_ptr, idx_ptr, zbest_ptr, m_ptr, s_ptr, tok_ptr, log
     tl.store(logp_ptr + row, tl.where(drawn, logp, 0.0))
 
 
+def race_splits(batch: int, vocab: int, block: int = 1024, target_programs: int = 4096) -> tuple[int, int]:
+    """(splits, span): how many programs share a row's vocabulary in ``race_sample``, each over ``span`` entries.
+    From the batch's power-of-two bucket: the merge kernel's SPLITS is a compile-time constant, and a compacted
+    decoder (hf_fast) samples at batch sizes that vary from chunk to chunk."""
+    splits = max(1, min(triton.cdiv(target_programs, triton.next_power_of_2(batch)), triton.cdiv(vocab, block)))
+    span = triton.cdiv(triton.cdiv(vocab, splits), block) * block
+    return triton.cdiv(vocab, span), span
+
+
 def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.Tensor,
                 step: torch.Tensor, block: int = 1024, target_programs: int = 4096,
                 num_warps: int = 4, need_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,11 +176,7 @@ def race_sample(logits_BV: torch.Tensor, inv_temperature: float, seeds_B: torch.
     (512, 151936) with exact logs, 179-212 µs with the hardware log2 (decode_bench --tune; benchmarks/NOTES.md)."""
     B, V = logits_BV.shape
     logits_BV = logits_BV if logits_BV.stride(-1) == 1 else logits_BV.contiguous()
-    # the split count from B's power-of-two bucket: the merge kernel's SPLITS is a compile-time constant, and a
-    # compacted decoder (hf_fast) samples at batch sizes that vary from chunk to chunk
-    splits = max(1, min(triton.cdiv(target_programs, triton.next_power_of_2(B)), triton.cdiv(V, block)))
-    span = triton.cdiv(triton.cdiv(V, splits), block) * block
-    splits = triton.cdiv(V, span)
+    splits, span = race_splits(B, V, block, target_programs)
     dev = logits_BV.device
     best, z_best, m, s = (torch.empty((B, splits), dtype=torch.float32, device=dev) for _ in range(4))
     idx = torch.empty((B, splits), dtype=torch.int32, device=dev)
@@ -441,4 +446,5 @@ def _decode_attention(qkv_BX, prompt_k, prompt_v, gen_k, gen_v, prompt_row_B, st
     return out
 
 
-__all__ = ["add_rmsnorm", "attention_launch", "attention_splits", "decode_attention", "race_sample", "silu_mul"]
+__all__ = ["add_rmsnorm", "attention_launch", "attention_splits", "decode_attention", "race_sample", "race_splits",
+           "silu_mul"]

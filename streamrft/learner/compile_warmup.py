@@ -22,6 +22,8 @@ than it takes to compile itself.
   with their gradients; no optimizer state) and one microbatch's activations on the rank's device: ~8 GiB at 7B.
 - Multimodal models are skipped (their vision or audio tower has graphs of its own): the child says so and exits.
   A model whose layers differ in kind (sliding-window attention on some) warms its first layer's graph only.
+- The engine's kernel warm-up (``engine.kernel_warmup``: a child compiling the static-cache decode path's Triton
+  kernels, engines/kernel_warmup.py) is started, reported and stopped here too, beside this one.
 """
 
 from __future__ import annotations
@@ -46,20 +48,45 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP
                   "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
                   "TORCHELASTIC_ERROR_FILE")
 
-_ACTIVE: "CompileWarmup | None" = None  # this process's warm-up, started by start_compile_warmup
+_ACTIVE: "CompileWarmup | None" = None  # this process's learner warm-up, started by start_compile_warmup
+_KERNELS: "KernelWarmup | None" = None  # and the engine's kernel warm-up
 
 
 @dataclass
-class CompileWarmup:
-    """One rank's warm-up child: its process, where it writes its result and its log, and what came of it."""
+class WarmupChild:
+    """A warm-up child: its process, where it writes its result and its log, and what came of it."""
 
     proc: subprocess.Popen
     result_path: Path
     log_path: Path
     rank: int
     started: float = field(default_factory=time.monotonic)
-    # the child's result once waited for: status ok | skipped | overtaken | failed | timeout
+    # the child's result once collected: status ok | skipped | overtaken | failed | timeout | stopped
     result: dict | None = None
+
+    def _read_result(self) -> dict:
+        try:
+            result = json.loads(self.result_path.read_text())
+        except (OSError, ValueError):
+            result = {"status": "failed", "reason": f"exited with code {self.proc.returncode} without a result"}
+        if self.proc.returncode != 0 and result.get("status") == "ok":
+            result = {"status": "failed", "reason": f"exited with code {self.proc.returncode}"}
+        return result
+
+    def stop(self) -> None:
+        """Kill the child and the compile workers it started (its own process group)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+
+@dataclass
+class CompileWarmup(WarmupChild):
+    """One rank's learner warm-up child; the first train step's compile waits for it (``wait``)."""
+
     waited_s: float = 0.0  # how long the first compile waited for it
 
     @property
@@ -90,15 +117,6 @@ class CompileWarmup:
         self._report()
         return self.result
 
-    def _read_result(self) -> dict:
-        try:
-            result = json.loads(self.result_path.read_text())
-        except (OSError, ValueError):
-            result = {"status": "failed", "reason": f"exited with code {self.proc.returncode} without a result"}
-        if self.proc.returncode != 0 and result.get("status") == "ok":
-            result = {"status": "failed", "reason": f"exited with code {self.proc.returncode}"}
-        return result
-
     def _report(self) -> None:
         r = self.result
         head = f"compile warm-up (rank {self.rank}, {self.log_path})"
@@ -112,14 +130,33 @@ class CompileWarmup:
             warnings.warn(f"{head} {r['status']}: {r['reason']}; the learner compiles without it (slower first "
                           f"step, same results). Log tail:\n{tail}")
 
-    def stop(self) -> None:
-        """Kill the child and the compile workers it started (its own process group)."""
+
+class KernelWarmup(WarmupChild):
+    """The engine's kernel warm-up child (engines/kernel_warmup.py). Nothing waits for it: a kernel the engine needs
+    before the child compiled it, the engine compiles itself. Its result is reported once, when collected."""
+
+    def collect(self, stopping: bool = False) -> dict | None:
+        """Its result if it has ended (None: still compiling); ``stopping``: kill it first if it has not."""
+        if self.result is not None:
+            return self.result
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+            if not stopping:
+                return None
+            self.stop()
+            self.result = {"status": "stopped", "reason": "still compiling when the run ended"}
+        else:
+            self.result = self._read_result()
+        self.result.setdefault("wall_s", round(time.monotonic() - self.started, 3))
+        r, head = self.result, f"engine kernel warm-up ({self.log_path})"
+        if r["status"] == "ok":
+            print(f"streamrft: {head}: {r['launches']} kernel launch variant(s) compiled or found cached in "
+                  f"{r['seconds']:.1f} s", flush=True)
+        elif r["status"] in ("skipped", "stopped"):
+            print(f"streamrft: {head} {r['status']}: {r['reason']}", flush=True)
+        else:
+            warnings.warn(f"{head} {r['status']}: {r['reason']}; the engine compiles its kernels itself (slower "
+                          f"first rollout, same results). Log tail:\n{_tail(self.log_path)}")
+        return r
 
 
 def compiling_marker(result_path: Path) -> Path:
@@ -135,23 +172,40 @@ def _tail(path: Path) -> str:
 
 
 def start_compile_warmup(cfg, device_type: str | None = None) -> CompileWarmup | None:
-    """Start this rank's warm-up child when ``train.compile_warmup`` resolves on (config/train.py); None otherwise.
+    """Start this rank's warm-up child when ``train.compile_warmup`` resolves on (config/train.py), and the
+    engine's kernel warm-up (``engine.kernel_warmup``, engines/kernel_warmup.py: one per node, from local rank 0)
+    when it resolves on; returns the learner's (None: not started).
 
     Call it first thing, before the run's imports, the config checks and the model load (it only reads the
     config, and imports no torch: ``probe_device_type``; a config that fails its checks ends the run, and the
-    child with it: ``stop_compile_warmup``)."""
-    global _ACTIVE
-    import msgspec
-
+    children with it: ``stop_compile_warmup``)."""
+    global _ACTIVE, _KERNELS
+    from streamrft.config.engine import kernel_warmup_enabled
     from streamrft.config.train import compile_warmup_enabled
 
     device_type = device_type or probe_device_type()
-    if _ACTIVE is not None or not compile_warmup_enabled(cfg.train, device_type):
-        return _ACTIVE
+    if _ACTIVE is None and compile_warmup_enabled(cfg.train, device_type):
+        child = _spawn(cfg, "streamrft.learner.compile_warmup", "", device_type, "compile warm-up")
+        _ACTIVE = child and CompileWarmup(*child)
+    if (_KERNELS is None and kernel_warmup_enabled(cfg.engine, device_type)
+            and os.environ.get("LOCAL_RANK", "0") == "0"):  # Triton's cache is the node's: one child compiles for all
+        # the run's world size goes on the command line: the child's environment drops the launcher's variables
+        child = _spawn(cfg, "streamrft.engines.kernel_warmup", "-engine", device_type, "engine kernel warm-up",
+                       os.environ.get("WORLD_SIZE", "1"))
+        _KERNELS = child and KernelWarmup(*child)
+    return _ACTIVE
+
+
+def _spawn(cfg, module: str, suffix: str, device_type: str, what: str, *args: str) -> tuple | None:
+    """Start ``python -m module CONFIG RESULT DEVICE_TYPE *args`` in its own session, on this rank's device, its output
+    in ``output_dir/compile_warmup/``; (process, result path, log path, rank), or None (the folder is unwritable:
+    output_dir's own check names it next, and the run goes on without the child)."""
+    import msgspec
+
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     rank = int(os.environ.get("RANK", "0"))
     folder = Path(cfg.output_dir) / "compile_warmup"
-    stem = f"{socket.gethostname()}-{os.getpid()}"
+    stem = f"{socket.gethostname()}-{os.getpid()}{suffix}"
     result_path, log_path = folder / f"{stem}.json", folder / f"{stem}.log"
     config_path = folder / f"{stem}.config.json"
     try:
@@ -159,8 +213,8 @@ def start_compile_warmup(cfg, device_type: str | None = None) -> CompileWarmup |
         config_path.write_bytes(msgspec.json.encode(cfg))
         result_path.unlink(missing_ok=True)
         compiling_marker(result_path).unlink(missing_ok=True)
-    except OSError as exc:  # output_dir's own check names it next; the run goes on without a warm-up
-        warnings.warn(f"compile warm-up (rank {rank}) not started: {folder}: {exc}")
+    except OSError as exc:
+        warnings.warn(f"{what} (rank {rank}) not started: {folder}: {exc}")
         return None
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     env["LOCAL_RANK"] = str(local_rank)  # the child's device: this rank's (the cache key names the device index)
@@ -169,11 +223,10 @@ def start_compile_warmup(cfg, device_type: str | None = None) -> CompileWarmup |
             os.cpu_count() or 1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "streamrft.learner.compile_warmup", str(config_path),
-                                 str(result_path), device_type], stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    _ACTIVE = CompileWarmup(proc, result_path, log_path, rank)
-    return _ACTIVE
+        proc = subprocess.Popen([sys.executable, "-m", module, str(config_path), str(result_path), device_type, *args],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    return proc, result_path, log_path, rank
 
 
 def probe_device_type() -> str:
@@ -198,21 +251,33 @@ def compile_threads_per_child(cpu_count: int, local_ranks: int) -> int:
 
 
 def wait_for_warmup() -> dict | None:
-    """Called by the learner's first compile (learner/compiling.py): wait for this process's warm-up, if any."""
+    """Called by the learner's first compile (learner/compiling.py): wait for this process's warm-up, if any.
+    (The first rollout is over by then: the engine's kernel warm-up, if it has ended, is reported here too.)"""
+    if _KERNELS is not None:
+        _KERNELS.collect()
     return None if _ACTIVE is None else _ACTIVE.wait()
 
 
 def active_warmup() -> CompileWarmup | None:
-    """This process's warm-up (None: not started, or stopped)."""
+    """This process's learner warm-up (None: not started, or stopped)."""
     return _ACTIVE
 
 
+def active_kernel_warmup() -> KernelWarmup | None:
+    """This process's engine kernel warm-up (None: not started, or stopped)."""
+    return _KERNELS
+
+
 def stop_compile_warmup() -> None:
-    """At the end of the run (or its failure): kill a child still running and forget it."""
-    global _ACTIVE
+    """At the end of the run (or its failure): kill the children still running (the kernel warm-up's result is
+    reported) and forget them."""
+    global _ACTIVE, _KERNELS
     if _ACTIVE is not None:
         _ACTIVE.stop()
         _ACTIVE = None
+    if _KERNELS is not None:
+        _KERNELS.collect(stopping=True)
+        _KERNELS = None
 
 
 # ---------------------------------------------------------------- the child ------------------------------------

@@ -40,13 +40,14 @@ def test_breakdown_from_marks_and_calls():
     table = first_step_table([{"size": "0.5b", "system": "streamrft", "cache": "cold", "first_step": b,
                                "inductor_cache": {"fxgraph_cache_miss": 3}}])
     row_cells = table.splitlines()[2].split()
-    assert row_cells[:3] == ["0.5b", "streamrft", "cold"] and row_cells[-2:] == ["0/3", "off"]
+    assert row_cells[:3] == ["0.5b", "streamrft", "cold"] and row_cells[-3:] == ["0/3", "off", "off"]
     assert row_cells[3:3 + len(COLUMNS)][3] == "30.00"  # model column
     assert row_cells[3 + [c for c, _ in COLUMNS].index("t2r1")] == "0.50"  # the switch that ends step 1
     warmed = first_step_table([{"size": "0.5b", "system": "streamrft", "cache": "cold", "first_step": b,
                                 "inductor_cache": {"fxgraph_cache_hit": 3},
-                                "compile_warmup": {"status": "ok", "wall_s": 21.04, "waited_s": 2.5}}])
-    assert warmed.splitlines()[2].endswith("3/0  ok 21.0s, waited 2.5s")
+                                "compile_warmup": {"status": "ok", "wall_s": 21.04, "waited_s": 2.5},
+                                "kernel_warmup": {"status": "ok", "wall_s": 14.26, "launches": 24}}])
+    assert warmed.splitlines()[2].endswith("3/0  ok 21.0s, waited 2.5s  ok 14.3s")
 
 
 def test_stamps_time_functions_methods_and_constructors():

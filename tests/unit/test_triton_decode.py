@@ -368,3 +368,88 @@ def test_a_failing_split_kernel_warns_once_and_the_whole_context_kernel_takes_ov
     monkeypatch.setattr(tri, "_decode_attention", lambda *a: (_ for _ in ()).throw(KeyError("not triton's")))
     with pytest.raises(KeyError):
         tri.decode_attention(qkv, *[c.clone() for c in caches], *args, splits=2)
+
+
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch's part of Triton's cache key that a run can vary (the
+    compile-time constants and launch options by value; for the other arguments a tensor's dtype and 16-byte
+    alignment, an integer's equality to 1 and divisibility by 16), then launches the kernel."""
+
+    def __init__(self, kernel, name: str, launched: dict, who: list):
+        self.kernel, self.name, self.launched, self.who = kernel, name, launched, who
+
+    @staticmethod
+    def _kind(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", str(value.dtype), value.data_ptr() % 16 == 0)
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            return value
+        if isinstance(value, int):
+            return ("int", value == 1, value % 16 == 0)
+        return type(value).__name__
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def record(*args, **kwargs):
+            key = (self.name, tuple(self._kind(a) for a in args),
+                   tuple(sorted((k, v if isinstance(v, (int, str, bool, type(None))) else self._kind(v))
+                                for k, v in kwargs.items())))
+            self.launched[self.who[0]].add(key)
+            return launch(*args, **kwargs)
+        return record
+
+
+def test_the_kernel_warmup_launches_every_kernel_variant_the_engine_launches(monkeypatch, tmp_path):
+    """engines/kernel_warmup.py: a one-layer copy of the model (learner/compile_warmup.one_layer_model, from the saved
+    model) decoded through warm_decode_kernels launches every kernel with every cache-key variant that the engine
+    launches on the full model: a chunk of three rows with a prompt length not divisible by 16 that compacts as rows
+    end (attention split 2 at 3 rows, 4 at 1, as on a 4-multiprocessor GPU), then a chunk of one 16-token prompt."""
+    import asyncio
+    from dataclasses import replace
+
+    from streamrft.config.engine import EngineConfig
+    from streamrft.config.model import ModelConfig
+    from streamrft.engines import hf_fast, kernel_warmup
+    from streamrft.engines.base import GenerationRequest
+    from streamrft.engines.hf import HFEngine
+    from streamrft.learner.compile_warmup import one_layer_model
+
+    model, reqs = _tiny_model_and_requests()
+    model.save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(hf_fast, "COMPACT_MIN_ROWS", 1)
+    monkeypatch.setattr(hf_fast, "COMPACT_FRACTION", 0.7)
+    monkeypatch.setattr(hf_fast, "COMPACT_MIN_STEPS", 1)
+    monkeypatch.setattr(tri, "multiprocessors", lambda device: 4)
+    launched, who = {"engine": set(), "warm-up": set()}, ["engine"]
+    for name in [n for n in vars(tri) if n.startswith("_") and n.endswith("_kernel")]:
+        monkeypatch.setattr(tri, name, _LaunchRecorder(getattr(tri, name), name, launched, who))
+    ecfg = EngineConfig(max_new_tokens=40, static_cache=True, decode_kernels="triton", temperature=0.9,
+                        max_batch_size=3)
+    engine = HFEngine(model, ecfg, eos_token_ids=[7], pad_token_id=0, device=DEV)
+    first_chunk = [replace(reqs[0], max_new_tokens=12), reqs[1], replace(reqs[2], max_new_tokens=40)]
+    asyncio.run(engine.generate_all(first_chunk))
+    asyncio.run(engine.generate_all([GenerationRequest("c", list(range(1, 17)), seed=3)]))
+    who[0] = "warm-up"
+    copy = one_layer_model(ModelConfig(path=str(tmp_path / "model"), dtype="float32", attn_implementation="sdpa"))
+    assert len(copy.model.layers) == 1
+    launches = kernel_warmup.warm_decode_kernels(copy.to(DEV).eval(), ecfg, DEV, first=3)
+    splits_keys = {dict(k[2]).get("SPLITS") for k in launched["engine"] if k[0] == "_decode_attention_kernel"}
+    assert splits_keys == {2, 4}  # the chunk of 3 rows split in 2, compacted to 1 row: in 4
+    assert launched["engine"] <= launched["warm-up"], sorted(launched["engine"] - launched["warm-up"])
+    assert launches == 2 * len(kernel_warmup.launch_variants(3, 3, 50, 2, 4)) == 4
+
+
+def test_the_kernel_warmup_batches_cover_every_split_pair_once_the_likeliest_first():
+    """launch_variants: one batch per distinct (sampler split, attention split) over 1..largest rows, no two alike,
+    the run's likeliest chunk first (Qwen2.5-0.5B's vocabulary and kv heads on an H200's 132 multiprocessors)."""
+    from streamrft.engines.kernel_warmup import launch_variants
+
+    def pair(b):
+        return tri.race_splits(b, 151936)[0], tri.attention_splits(b, 2, 132)
+
+    sizes = launch_variants(512, 512, 151936, 2, 132)
+    assert sizes[0] == 512 and len(set(map(pair, sizes))) == len(sizes)
+    assert {pair(b) for b in range(1, 513)} == set(map(pair, sizes))
+    assert launch_variants(600, 256, 151936, 2, 132)[0] == 256  # never more rows than a chunk holds
+    assert tri.race_splits(512, 151936) == (8, 19456) and tri.race_splits(16, 151936) == (149, 1024)
