@@ -209,3 +209,40 @@ def test_a_failing_background_sink_is_reported_on_the_next_call_with_its_name(tm
         background.write(synthetic_records(1)[0])
     with pytest.raises(RuntimeError):
         background.close()
+
+
+def test_a_hung_background_sink_fails_the_training_thread_naming_it_instead_of_blocking_it():
+    """A sink stuck in write (a hung network file system): once the queue is full, a write waits at most wait_s, then
+    raises naming the sink; so do drain and close. The records before it were handed over."""
+    import threading
+    import time
+
+    from streamrft.sinks.background import BackgroundSinks
+
+    release, written = threading.Event(), []
+
+    class Hung:
+        def write(self, record):
+            written.append(record)
+            release.wait()
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    background = BackgroundSinks([Hung()], max_queued=2, wait_s=0.5)
+    records = synthetic_records(4)
+    for r in records[:3]:  # one in the writer's hands, two queued
+        background.write(r)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"stuck in a sink \(Hung\): its queue of 2 has had no room for 0.5 s"):
+        background.write(records[3])
+    assert 0.4 < time.monotonic() - t0 < 5 and written == records[:1]
+    with pytest.raises(RuntimeError, match=r"stuck in a sink \(Hung\): 3 record\(s\) still queued after 0.5 s"):
+        background.drain()
+    release.set()  # the sink recovers: everything queued is written, nothing lost
+    background.drain()
+    background.close()
+    assert written == records[:3]
