@@ -424,10 +424,10 @@ def test_the_kernel_warmup_launches_every_kernel_variant_the_engine_launches(mon
     launched, who = {"engine": set(), "warm-up": set()}, ["engine"]
     for name in [n for n in vars(tri) if n.startswith("_") and n.endswith("_kernel")]:
         monkeypatch.setattr(tri, name, _LaunchRecorder(getattr(tri, name), name, launched, who))
-    ecfg = EngineConfig(max_new_tokens=40, static_cache=True, decode_kernels="triton", temperature=0.9,
+    ecfg = EngineConfig(max_new_tokens=20, static_cache=True, decode_kernels="triton", temperature=0.9,
                         max_batch_size=3)
     engine = HFEngine(model, ecfg, eos_token_ids=[7], pad_token_id=0, device=DEV)
-    first_chunk = [replace(reqs[0], max_new_tokens=12), reqs[1], replace(reqs[2], max_new_tokens=40)]
+    first_chunk = [replace(reqs[0], max_new_tokens=4), replace(reqs[1], max_new_tokens=6), reqs[2]]
     asyncio.run(engine.generate_all(first_chunk))
     asyncio.run(engine.generate_all([GenerationRequest("c", list(range(1, 17)), seed=3)]))
     who[0] = "warm-up"
