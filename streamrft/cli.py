@@ -21,8 +21,8 @@ def _train(args: argparse.Namespace) -> int:
     if not args.dry_run:
         from streamrft.learner.compile_warmup import start_compile_warmup, stop_compile_warmup
 
-        # the compile warm-up's child (train.compile_warmup) starts before the checks import torch, transformers
-        # and the learner's modules: it needs those imports too, and its head start is the first step's gain
+        # the warm-up children (train.compile_warmup, engine.kernel_warmup) start before the checks import torch,
+        # transformers and the learner's modules: they need those imports too, and their head start is the gain
         start_compile_warmup(cfg)
     try:
         validate_config(cfg, world_size)
