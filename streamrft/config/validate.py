@@ -152,6 +152,28 @@ def validate_train(cfg) -> None:
         )
 
 
+# (key, lowest allowed value, whether the lowest is excluded): numeric settings whose other checks live nowhere else.
+# A value below would fail late (log_every=0 divides by zero at the first step's log, after the model load) or
+# silently (eval_size=-1 would drop the last held-out row, a negative weight decay grow the weights).
+_LOWER_BOUNDS = (
+    ("data.max_prompt_tokens", 1, False), ("data.eval_size", 0, False),
+    ("train.warmup_steps", 0, False), ("train.weight_decay", 0.0, False), ("train.adam_eps", 0.0, True),
+    ("train.grad_clip", 0.0, False), ("train.eval_every", 0, False), ("train.log_every", 1, False),
+    ("metrics.port", 0, False), ("metrics.progress_log_every_s", 0.0, False),
+    ("warmup.steps", 0, False), ("warmup.lr", 0.0, True), ("warmup.batch_size", 1, False),
+)
+
+
+def validate_lower_bounds(cfg) -> None:
+    for key, low, exclusive in _LOWER_BOUNDS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value < low or (exclusive and value == low):
+            raise ConfigError(f"{key}={value} must be {'>' if exclusive else '>='} {low}")
+    if cfg.metrics.port > 65535:
+        raise ConfigError(f"metrics.port={cfg.metrics.port} must be a TCP port (0 = off, at most 65535)")
+
+
 def validate_model(cfg) -> None:
     """Every model path is a local Hugging Face directory or a hub id in the local cache (streamrft.models.hub)."""
     from streamrft.models.hub import resolve_model_dir
@@ -302,6 +324,7 @@ def validate_all(cfg, world_size: int, check_paths: bool = True) -> None:
     validate_engine(cfg)
     validate_checkpoint(cfg)
     validate_train(cfg)
+    validate_lower_bounds(cfg)
     try:
         validate_lora(cfg.model)
     except ValueError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,34 @@ def test_train_batch_not_divisible_by_world_size_is_rejected():
     with pytest.raises(ConfigError, match="prompts_per_step=6 is not divisible by world_size=4"):
         validate_config(cfg, world_size=4, check_paths=False)
     validate_config(cfg, world_size=2, check_paths=False)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.log_every=0", "train.log_every=0 must be >= 1"),  # was a ZeroDivisionError at the first step's log
+    ("data.eval_size=-1", "data.eval_size=-1 must be >= 0"),  # was rows[:-1]: the last held-out row dropped
+    ("data.max_prompt_tokens=0", "data.max_prompt_tokens=0 must be >= 1"),
+    ("train.weight_decay=-0.1", "train.weight_decay=-0.1 must be >= 0.0"),
+    ("train.adam_eps=0", "train.adam_eps=0.0 must be > 0.0"),
+    ("train.grad_clip=-1", "train.grad_clip=-1.0 must be >= 0.0"),
+    ("train.warmup_steps=-1", "train.warmup_steps=-1 must be >= 0"),
+    ("train.eval_every=-2", "train.eval_every=-2 must be >= 0"),
+    ("metrics.port=-1", "metrics.port=-1 must be >= 0"),
+    ("metrics.port=70000", "metrics.port=70000 must be a TCP port"),
+    ("metrics.progress_log_every_s=-1", "metrics.progress_log_every_s=-1.0 must be >= 0.0"),
+    ("warmup.steps=-1", "warmup.steps=-1 must be >= 0"),
+])
+def test_numbers_out_of_range_are_refused_before_anything_loads(override, message):
+    cfg = load_config(None, [override, *rule_reward()])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(cfg, world_size=1, check_paths=False)
+
+
+@pytest.mark.parametrize("override, message", [("warmup.lr=0", "warmup.lr=0.0 must be > 0.0"),
+                                               ("warmup.batch_size=0", "warmup.batch_size=0 must be >= 1")])
+def test_the_supervised_warmups_numbers_are_refused_when_it_runs(override, message):
+    cfg = load_config(None, ["warmup.steps=5", override, *rule_reward()])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(cfg, world_size=1, check_paths=False)
 
 
 def test_missing_model_path_is_rejected_with_the_key(tmp_path):
