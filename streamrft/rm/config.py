@@ -117,6 +117,10 @@ def validate_rm_config(cfg: RMTrainConfig, check_paths: bool = True) -> None:
         raise ConfigError(f"train.lm_coef={t.lm_coef} must be >= 0 (0 = no auxiliary LM loss)")
     if t.temperature <= 0:
         raise ConfigError(f"train.temperature={t.temperature} must be > 0")
+    for key, value in (("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip),
+                       ("train.log_every", t.log_every)):
+        if value < 0:  # a negative decay grows the weights; a negative clip or log period is no setting
+            raise ConfigError(f"{key}={value} must be >= 0 (0 = off)")
     if cfg.kind == "grm":
         # The judge trains with the supervised warm-up loop (plain AdamW, constant lr): SRM-only keys must
         # keep their defaults rather than be silently ignored.

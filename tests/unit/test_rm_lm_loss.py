@@ -35,6 +35,15 @@ def test_a_negative_lm_coef_is_a_config_error(tmp_path):
         validate_rm_config(load_rm_config(path, ["train.lm_coef=-1"]), check_paths=False)
 
 
+@pytest.mark.parametrize("key", ["train.weight_decay", "train.grad_clip", "train.log_every"])
+def test_negative_rm_decay_clip_and_log_period_are_config_errors(tmp_path, key):
+    path = tmp_path / "rm.yaml"
+    path.write_text("kind: srm\n")
+    with pytest.raises(ConfigError, match=rf"{key}=-1(\.0)? must be >= 0 \(0 = off\)"):
+        validate_rm_config(load_rm_config(path, [f"{key}=-1"]), check_paths=False)
+    validate_rm_config(load_rm_config(path, [f"{key}=0", "model.path=m", "data.train_path=t"]), check_paths=False)
+
+
 def test_lm_coef_on_an_untied_backbone_is_refused_at_validation_before_any_weights_load(tmp_path):
     import json
 
