@@ -17,6 +17,9 @@ from streamrft.data.formats import field_mapping, get_field, written_roles
 from streamrft.data.rows import read_rows
 
 
+_ABSENT = object()  # get_field's default: a field that is not in the row at all (None: it is, as null)
+
+
 @dataclass(frozen=True)
 class PromptRow:
     prompt: str | list  # text, or chat messages [{"role", "content"}] (rendered by streamrft.data.chat.render_prompt)
@@ -81,8 +84,10 @@ class PromptDataset:
     def _parse(self, i, raw, require_reference) -> PromptRow:
         def text(role: str, required: bool, default: str = "") -> str:
             name = self.fields[role]
-            value = get_field(raw, name, None)
-            if value is None:
+            value = get_field(raw, name, _ABSENT)
+            if value is _ABSENT or value is None:
+                if required and value is None:
+                    raise DataError(f"{self.path}: row {i} field {name!r} is null; {self._hint(role)}")
                 if required:
                     raise DataError(f"{self.path}: row {i} has no field {name!r} (fields present: {sorted(raw)}); "
                                     f"{self._hint(role)}")

@@ -22,6 +22,12 @@ def test_a_row_missing_a_field_names_file_row_and_field(tmp_path):
         PromptDataset(path)
 
 
+def test_a_null_field_is_named_as_null_not_as_missing(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "reference": "2"}, {"prompt": None, "reference": "4"}])
+    with pytest.raises(DataError, match=r"d.jsonl: row 1 field 'prompt' is null; fix the row or set data.prompt_field"):
+        PromptDataset(path)
+
+
 def test_invalid_json_names_the_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "a", "reference": "b"}\n{oops\n')

@@ -71,8 +71,8 @@ def test_bad_rows_name_file_row_and_field(tmp_path):
     del rows[1]["reward_model"]["ground_truth"]
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    with pytest.raises(DataError, match=r"bad.parquet: row 1 has no field 'reward_model.ground_truth' \(fields "
-                                        r"present: .*\); fix the row, or set data.reference_field \(data.format=verl"):
+    with pytest.raises(DataError, match=r"bad.parquet: row 1 field 'reward_model.ground_truth' is null; "
+                                        r"fix the row, or set data.reference_field \(data.format=verl"):
         PromptDataset(path, format="verl")
     rows = _verl_rows()
     for r in rows:  # a column of lists (parquet columns have one type)
