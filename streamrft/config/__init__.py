@@ -145,7 +145,18 @@ def _load(path, overrides, config_type: type, what: str = "config"):
     try:
         return msgspec.convert(data, config_type), data
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{path or what}: {exc}".replace("$.", "")) from None
+        source = path or what
+        if path and overrides and _converts(_read_file(Path(path)), config_type):  # the file alone is fine
+            source = f"the overrides ({' '.join(overrides)})"
+        raise ConfigError(f"{source}: {exc}".replace("$.", "")) from None
+
+
+def _converts(data: dict, config_type: type) -> bool:
+    try:
+        msgspec.convert(data, config_type)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

@@ -35,6 +35,15 @@ def test_unknown_override_key_is_an_error(tmp_path):
         load_config(None, ["train.learning_rate=1"])
 
 
+def test_a_bad_override_is_blamed_on_the_overrides_not_on_a_valid_file(tmp_path):
+    path = write(tmp_path, "train:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"^the overrides \(train.lr=0.1 nosuch.key=1\): .*unknown field `nosuch`"):
+        load_config(path, ["train.lr=0.1", "nosuch.key=1"])
+    bad = write(tmp_path, "train:\n  max_steps: many\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: Expected `int`, got `str` - at `train.max_steps`"):
+        load_config(bad, ["train.lr=0.1"])  # the file is the culprit: it is named
+
+
 def test_wrong_type_is_an_error_naming_the_path(tmp_path):
     with pytest.raises(ConfigError, match=r"Expected `int`, got `str` - at `train.max_steps`"):
         load_config(write(tmp_path, "train:\n  max_steps: many\n"))
