@@ -105,7 +105,7 @@ def warm(cfg, device_type: str, world_size: int) -> dict:
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if device_type == "cuda" else "cpu"
     t = time.perf_counter()
-    model = one_layer_model(cfg.model)
+    model = one_layer_model(cfg.model, device)
     if model is None:
         return {"status": "skipped", "reason": "a multimodal model.path (the static path decodes text models)"}
     try:

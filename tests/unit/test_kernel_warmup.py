@@ -110,3 +110,30 @@ def test_a_child_still_compiling_is_not_waited_for_and_is_killed_when_the_run_en
     assert child.collect(stopping=True)["status"] == "stopped"
     assert child.proc.returncode is not None and time.monotonic() - t0 < 30
     assert "engine kernel warm-up" in capsys.readouterr().out
+
+
+def test_the_one_layer_copy_is_built_on_the_asked_device_and_on_the_cpu_if_that_fails(model_dir, monkeypatch,
+                                                                                    capsys):
+    """Both warm-up children build their copy on their GPU (its random init on a CPU took 4.2 s at 0.5B, 14.7 s at
+    7B); "meta" stands in for a GPU here. A device that refuses the build costs a line in the child's log, and the
+    copy is built on the CPU."""
+    import transformers
+
+    from streamrft.config.model import ModelConfig
+
+    model_cfg = ModelConfig(path=model_dir, dtype="bfloat16")
+    copy = compile_warmup.one_layer_model(model_cfg, torch.device("meta"))
+    assert len(copy.model.layers) == 1 and {p.device.type for p in copy.parameters()} == {"meta"}
+    assert next(copy.parameters()).dtype == torch.bfloat16
+    real = transformers.AutoModelForCausalLM.from_config
+
+    def refuse_meta(*args, **kwargs):
+        if torch.get_default_device().type == "meta":
+            raise RuntimeError("no room on the device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", refuse_meta)
+    copy = compile_warmup.one_layer_model(model_cfg, "meta")
+    assert {p.device.type for p in copy.parameters()} == {"cpu"}
+    logged = capsys.readouterr().out
+    assert "building on meta failed (RuntimeError: no room on the device); building on the CPU" in logged
