@@ -73,6 +73,17 @@ class WarmupChild:
             result = {"status": "failed", "reason": f"exited with code {self.proc.returncode}"}
         return result
 
+    def _announce(self, head: str, ok_line, quiet: tuple[str, ...], without: str) -> None:
+        """The result, once: a line for ``ok`` (``ok_line(result)``) and the ``quiet`` statuses, else one warning
+        with the log's tail (the run goes on ``without`` the child)."""
+        r = self.result
+        if r["status"] == "ok":
+            print(f"streamrft: {head}: {ok_line(r)}", flush=True)
+        elif r["status"] in quiet:
+            print(f"streamrft: {head} {r['status']}: {r['reason']}", flush=True)
+        else:
+            warnings.warn(f"{head} {r['status']}: {r['reason']}; {without}. Log tail:\n{_tail(self.log_path)}")
+
     def stop(self) -> None:
         """Kill the child and the compile workers it started (its own process group)."""
         if self.proc.poll() is None:
@@ -118,17 +129,10 @@ class CompileWarmup(WarmupChild):
         return self.result
 
     def _report(self) -> None:
-        r = self.result
-        head = f"compile warm-up (rank {self.rank}, {self.log_path})"
-        if r["status"] == "ok":
-            print(f"streamrft: {head}: {r['compiles']} graph compile(s) in {r['seconds']:.1f} s; the first train "
-                  f"step's compile waited {self.waited_s:.1f} s for it", flush=True)
-        elif r["status"] in ("skipped", "overtaken"):
-            print(f"streamrft: {head} {r['status']}: {r['reason']}", flush=True)
-        else:
-            tail = _tail(self.log_path)
-            warnings.warn(f"{head} {r['status']}: {r['reason']}; the learner compiles without it (slower first "
-                          f"step, same results). Log tail:\n{tail}")
+        self._announce(f"compile warm-up (rank {self.rank}, {self.log_path})",
+                       lambda r: f"{r['compiles']} graph compile(s) in {r['seconds']:.1f} s; the first train step's "
+                                 f"compile waited {self.waited_s:.1f} s for it",
+                       ("skipped", "overtaken"), "the learner compiles without it (slower first step, same results)")
 
 
 class KernelWarmup(WarmupChild):
@@ -147,16 +151,12 @@ class KernelWarmup(WarmupChild):
         else:
             self.result = self._read_result()
         self.result.setdefault("wall_s", round(time.monotonic() - self.started, 3))
-        r, head = self.result, f"engine kernel warm-up ({self.log_path})"
-        if r["status"] == "ok":
-            print(f"streamrft: {head}: {r['launches']} kernel launch variant(s) compiled or found cached in "
-                  f"{r['seconds']:.1f} s", flush=True)
-        elif r["status"] in ("skipped", "stopped"):
-            print(f"streamrft: {head} {r['status']}: {r['reason']}", flush=True)
-        else:
-            warnings.warn(f"{head} {r['status']}: {r['reason']}; the engine compiles its kernels itself (slower "
-                          f"first rollout, same results). Log tail:\n{_tail(self.log_path)}")
-        return r
+        self._announce(f"engine kernel warm-up ({self.log_path})",
+                       lambda r: f"{r['launches']} kernel launch variant(s) compiled or found cached in "
+                                 f"{r['seconds']:.1f} s",
+                       ("skipped", "stopped"), "the engine compiles its kernels itself (slower first rollout, same "
+                       "results)")
+        return self.result
 
 
 def compiling_marker(result_path: Path) -> Path:
