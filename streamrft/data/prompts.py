@@ -86,12 +86,12 @@ class PromptDataset:
             name = self.fields[role]
             value = get_field(raw, name, _ABSENT)
             if value is _ABSENT or value is None:
-                if required and value is None:
+                if not required:
+                    return default
+                if value is None:
                     raise DataError(f"{self.path}: row {i} field {name!r} is null; {self._hint(role)}")
-                if required:
-                    raise DataError(f"{self.path}: row {i} has no field {name!r} (fields present: {sorted(raw)}); "
-                                    f"{self._hint(role)}")
-                return default
+                raise DataError(f"{self.path}: row {i} has no field {name!r} (fields present: {sorted(raw)}); "
+                                f"{self._hint(role)}")
             if not isinstance(value, (str, int, float)):
                 raise DataError(f"{self.path}: row {i} field {name!r} is a {type(value).__name__}, expected text")
             return str(value)

@@ -121,23 +121,9 @@ def warm(cfg, device_type: str, world_size: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from pathlib import Path
+    from streamrft.learner.compile_warmup import run_child
 
-    import msgspec
-
-    from streamrft.config import Config
-    from streamrft.learner.compile_warmup import _write_result
-
-    config_path, result_path, device_type, world_size = argv
-    try:
-        cfg = msgspec.json.decode(Path(config_path).read_bytes(), type=Config)
-        result = warm(cfg, device_type, int(world_size))
-    except BaseException as exc:  # noqa: BLE001 - reported to the run through the result file, then re-raised
-        _write_result(Path(result_path), {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
-        raise
-    _write_result(Path(result_path), result)
-    return 0
-
+    return run_child(argv, lambda cfg, device_type, _result_path, world_size: warm(cfg, device_type, int(world_size)))
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -290,8 +290,6 @@ def one_layer_model(model_cfg, device=None):
     ``device``: built (and initialised) there. The random init of the embeddings and the LM head alone took 4.2 s
     at 0.5B and 14.7 s at 7B on a CPU of CI's kind, in the children's path to their first compile; on a GPU it is
     a few milliseconds. Should building there fail, the copy is built on the CPU (and the caller moves it)."""
-    import contextlib
-
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -304,19 +302,20 @@ def one_layer_model(model_cfg, device=None):
     config.num_hidden_layers = 1
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:1]
+
     def build(on):
-        with torch.device(on) if on is not None else contextlib.nullcontext():
+        with torch.device(on):
             return AutoModelForCausalLM.from_config(config, dtype=_DTYPES[model_cfg.dtype],
                                                     attn_implementation=model_cfg.attn_implementation)
 
     if device is None or torch.device(device).type == "cpu":
-        return build(None)
+        return build("cpu")
     try:
         return build(device)
     except Exception as exc:  # noqa: BLE001 - the copy's weights do not matter: any device will do
         print(f"one_layer_model: building on {device} failed ({type(exc).__name__}: {exc}); building on the CPU",
               flush=True)
-        return build(None)
+        return build("cpu")
 
 
 def warmup_batch_shape(cfg) -> tuple[int, int, int]:
@@ -407,20 +406,27 @@ def _since_interpreter_start() -> float:
         return 0.0
 
 
-def main(argv: list[str]) -> int:
-    config_path, result_path, device_type = argv
+def run_child(argv: list[str], work) -> int:
+    """A warm-up child's entry (``_spawn``'s command line: CONFIG RESULT DEVICE_TYPE, then the child's own
+    arguments): ``work(cfg, device_type, result_path, *rest)``'s result, or its failure, written to RESULT for the
+    run to read."""
     import msgspec
 
     from streamrft.config import Config
 
+    config_path, result_path, device_type, *rest = argv
     try:
         cfg = msgspec.json.decode(Path(config_path).read_bytes(), type=Config)
-        result = warm(cfg, device_type, compiling_marker(Path(result_path)))
+        result = work(cfg, device_type, Path(result_path), *rest)
     except BaseException as exc:  # noqa: BLE001 - reported to the run through the result file, then re-raised
         _write_result(Path(result_path), {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
         raise
     _write_result(Path(result_path), result)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return run_child(argv, lambda cfg, device_type, result_path: warm(cfg, device_type, compiling_marker(result_path)))
 
 
 def _write_result(path: Path, result: dict) -> None:
