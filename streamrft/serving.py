@@ -72,6 +72,17 @@ class FrameService(Protocol):
     def release(self, nbytes: int) -> None: ...
 
 
+def check_limits(limits: Any, at_least: dict[str, int], positive: tuple[str, ...]) -> None:
+    """ValueError naming the CLI flag of the first of a service's bounds out of range: each name of
+    ``at_least`` must be >= its bound, each of ``positive`` > 0 (flags are the field names, dashed)."""
+    for name, bound in at_least.items():
+        if getattr(limits, name) < bound:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(limits, name)} must be >= {bound}")
+    for name in positive:
+        if not getattr(limits, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(limits, name)} must be > 0")
+
+
 def check_bind(bind: str, example_port: int = 5555) -> None:
     if not bind.startswith(("tcp://", "ipc://", "inproc://")):
         raise ValueError(f"--bind {bind!r} must be a ZeroMQ address such as tcp://127.0.0.1:{example_port}")

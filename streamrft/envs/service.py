@@ -58,6 +58,7 @@ from streamrft.serving import (
     QueueBound,
     bind_router,
     check_bind,
+    check_limits,
     json_http_handler,
     parse_http,
     run_until_signal,
@@ -87,12 +88,8 @@ class EnvServiceLimits:
     http_timeout_s: float = 30.0
 
     def check(self) -> None:
-        for name in ("max_message_bytes", "max_queued", "max_queued_bytes", "max_episodes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
-        for name in ("step_timeout_s", "episode_idle_s", "http_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be > 0")
+        at_least_one = ("max_message_bytes", "max_queued", "max_queued_bytes", "max_episodes")
+        check_limits(self, dict.fromkeys(at_least_one, 1), ("step_timeout_s", "episode_idle_s", "http_timeout_s"))
 
 
 @dataclass

@@ -84,6 +84,7 @@ from streamrft.serving import (
     QueueBound,
     bind_router,
     check_bind,
+    check_limits,
     json_http_handler,
     parse_http,
     run_until_signal,
@@ -111,12 +112,8 @@ class ServiceLimits:
     cache_bytes: int = 64 * 1024 * 1024
 
     def check(self) -> None:
-        for name in ("max_message_bytes", "max_items", "max_queued", "max_queued_bytes", "cache_bytes"):
-            if getattr(self, name) < (0 if name == "cache_bytes" else 1):
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
-        for name in ("score_timeout_s", "http_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be > 0")
+        at_least = {**dict.fromkeys(("max_message_bytes", "max_items", "max_queued", "max_queued_bytes"), 1), "cache_bytes": 0}
+        check_limits(self, at_least, ("score_timeout_s", "http_timeout_s"))
 
 
 class _ScoringThreads(concurrent.futures.ThreadPoolExecutor):

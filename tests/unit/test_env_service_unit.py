@@ -15,6 +15,7 @@ from streamrft.config import ConfigError, load_config
 from streamrft.config.env import validate_env
 from streamrft.envs import EnvStep as StepResult
 from streamrft.envs.service import EnvService, EnvServiceLimits
+from streamrft.rewards.service import ServiceLimits
 
 
 class Scripted:
@@ -160,3 +161,24 @@ def test_a_held_out_evaluation_closes_the_serve_env_client_it_made(monkeypatch):
                                          5.0))
     assert out["heldout_env_errors"] == 1.0 and out["heldout_n"] == 1.0
     assert len(made) == 1 and made[0].client._closed
+
+
+@pytest.mark.parametrize(
+    "limits, bad, message",
+    [
+        (EnvServiceLimits, {"max_episodes": 0}, "--max-episodes=0 must be >= 1"),
+        (EnvServiceLimits, {"episode_idle_s": 0.0}, "--episode-idle-s=0.0 must be > 0"),
+        (ServiceLimits, {"cache_bytes": -1}, "--cache-bytes=-1 must be >= 0"),
+        (ServiceLimits, {"max_items": 0}, "--max-items=0 must be >= 1"),
+        (ServiceLimits, {"http_timeout_s": -1.0}, "--http-timeout-s=-1.0 must be > 0"),
+    ],
+)
+def test_a_service_bound_out_of_range_names_its_flag_and_its_bound(limits, bad, message):
+    limits().check()  # the defaults are in range
+    with pytest.raises(ValueError) as error:
+        limits(**bad).check()
+    assert str(error.value) == message
+
+
+def test_a_reward_cache_of_zero_bytes_is_allowed():
+    ServiceLimits(cache_bytes=0).check()  # 0 turns the cache off
