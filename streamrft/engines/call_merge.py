@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import time
 from typing import AsyncIterator, Callable
 
@@ -36,11 +37,14 @@ class _Call:
 
 
 class CallMerger:
-    """Runs ``run_chunk`` on the rows of every call waiting when the previous chunk ends (at most ``max_rows``)."""
+    """Runs ``run_chunk`` on the rows of every call waiting when the previous chunk ends: at most ``max_rows``,
+    and of those the first ``chunk_rows(waiting rows)`` (the rows that fit in memory; all when None)."""
 
-    def __init__(self, run_chunk: RunChunk, max_rows: int):
+    def __init__(self, run_chunk: RunChunk, max_rows: int,
+                 chunk_rows: Callable[[list[GenerationRequest]], int] | None = None):
         self._run_chunk = run_chunk
         self._max_rows = max_rows
+        self._chunk_rows = chunk_rows
         self._waiting: collections.deque[_Call] = collections.deque()
         self._driver: asyncio.Task | None = None
         self._feeding: asyncio.Task | None = None  # the running chunk's feed
@@ -73,10 +77,14 @@ class CallMerger:
             self._feeding.cancel()  # nobody wants the running chunk's rows any more
 
     def _next_rows(self) -> list[GenerationRequest]:
+        limit = self._max_rows
+        if self._chunk_rows is not None:
+            limit = self._chunk_rows(list(itertools.islice(
+                itertools.chain.from_iterable(c.queued for c in self._waiting), self._max_rows)))
         rows: list[GenerationRequest] = []
-        while self._waiting and len(rows) < self._max_rows:
+        while self._waiting and len(rows) < limit:
             call = self._waiting[0]
-            room = self._max_rows - len(rows)
+            room = limit - len(rows)
             take, call.queued = call.queued[:room], call.queued[room:]
             self._owners.update((r.request_id, call) for r in take)
             rows += take
@@ -88,7 +96,12 @@ class CallMerger:
         try:
             while self._waiting:
                 self._owners = {}
-                rows = self._next_rows()
+                try:
+                    rows = self._next_rows()
+                except Exception as exc:  # no chunk can take the next rows (one does not fit in memory)
+                    for call in list(self._waiting):
+                        self._fail(call, exc)
+                    break
                 if not rows:
                     continue
                 self.chunks_run += 1

@@ -46,6 +46,7 @@ import asyncio
 import inspect
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Iterable
 
@@ -54,6 +55,7 @@ from transformers import DynamicCache
 
 from streamrft.engines.base import GeneratedSample, GenerationRequest, check_requests, wait_for_version
 from streamrft.engines.call_merge import CallMerger
+from streamrft.engines.chunk_memory import DecoderShape, chunk_bytes, free_device_bytes, rows_that_fit
 from streamrft.engines.sampling import logprob_of, process_logits, sample_tokens
 from streamrft.runtime.host_idle import HostIdleWindow
 
@@ -170,6 +172,8 @@ class HFEngine:
         self._forward_lock = threading.Lock()
         self._static_lock: asyncio.Lock | None = None  # one static-cache chunk at a time (see _exclusive)
         self._merger: CallMerger | None = None  # own_weights + static cache: calls in flight share chunks
+        self._shape: DecoderShape | None = None  # what a static chunk's memory depends on (_chunk_rows)
+        self._warned_chunk_memory = False
         # the static-cache decode graphs' memory pool, one for the engine's life (hf_fast.DecodeGraphPool)
         self.decode_graph_pool = None
         # weight switching (own_weights): chunks in flight that pin the weights, and what waits for them.
@@ -202,16 +206,20 @@ class HFEngine:
         start = time.perf_counter()
         self._enter()
         try:
-            size = self.cfg.max_batch_size
-            chunk_fn = lambda reqs, t0: self._generate_chunk(reqs, t0, mm_inputs)  # noqa: E731
             if self.cfg.static_cache:
                 if self.own_weights:  # calls in flight share chunks (engines/call_merge.py)
                     async for sample in self._call_merger().generate(requests):
                         yield sample
                     return
-                chunk_fn = lambda reqs, t0: self._static_chunk(reqs, t0)  # noqa: E731
+                while requests:  # chunks of at most engine.max_batch_size rows, and what fits in memory
+                    size = self._chunk_rows(requests[: self.cfg.max_batch_size])
+                    async for sample in self._static_chunk(requests[:size], start):
+                        yield sample
+                    requests = requests[size:]
+                return
+            size = self.cfg.max_batch_size
             for lo in range(0, len(requests), size):
-                async for sample in chunk_fn(requests[lo : lo + size], start):
+                async for sample in self._generate_chunk(requests[lo : lo + size], start, mm_inputs):
                     yield sample
         finally:
             self._exit()
@@ -224,8 +232,40 @@ class HFEngine:
     def _call_merger(self) -> CallMerger:
         if self._merger is None:
             self._merger = CallMerger(lambda reqs: self._static_chunk(reqs, time.perf_counter()),
-                                      self.cfg.max_batch_size)
+                                      self.cfg.max_batch_size, self._chunk_rows)
         return self._merger
+
+    def _chunk_rows(self, requests: list[GenerationRequest]) -> int:
+        """How many of ``requests`` (in order) the next static-cache chunk takes: all of them, or as many as
+        its preallocated KV cache lets fit in the device memory free now (engines/chunk_memory.py). Fewer
+        rows per chunk change the batch a row decodes in (a bf16 GEMM's rounding), so the first time it
+        happens a warning says so; a row that cannot fit alone is an error naming the sizes."""
+        free = free_device_bytes(self.device)
+        if free is None:
+            return len(requests)
+        from streamrft.engines.hf_fast import decoder_shape
+
+        if self._shape is None:
+            self._shape = decoder_shape(self.module)
+        n_new = max(self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in requests)
+        prompts = [r.prompt_ids for r in requests]
+        fit = rows_that_fit(self._shape, prompts, n_new, free)
+        gib = lambda rows: chunk_bytes(self._shape, prompts[:rows], n_new) / 2**30  # noqa: E731
+        if fit == 0:
+            raise RuntimeError(
+                f"hf engine on {self.device}: one row of a {len(prompts[0])}-token prompt and {n_new} new tokens "
+                f"needs {gib(1):.2f} GiB for its static KV cache and decode buffers, and {free / 2**30:.2f} GiB "
+                "is free (within rollout.engine_memory_fraction where set); lower engine.max_new_tokens, give "
+                "the engine more memory, or set engine.static_cache=false")
+        if fit < len(requests) and not self._warned_chunk_memory:
+            self._warned_chunk_memory = True
+            warnings.warn(
+                f"hf engine on {self.device}: a chunk of {len(requests)} rows with up to {n_new} new tokens needs "
+                f"{gib(len(requests)):.2f} GiB for its static KV cache and decode buffers and {free / 2**30:.2f} "
+                f"GiB is free, so chunks take {fit} rows at a time (and rows may round differently in a smaller "
+                "batch); lower engine.max_batch_size or engine.max_new_tokens, or give the engine more memory "
+                "(rollout.engine_memory_fraction in the async placement)")
+        return fit
 
     async def _exclusive(self, chunk: AsyncIterator[GeneratedSample]) -> AsyncIterator[GeneratedSample]:
         """One static-cache chunk at a time: a chunk owns a preallocated KV cache and captures CUDA graphs,

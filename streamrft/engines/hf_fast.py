@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from streamrft.engines import decode_ops
 from streamrft.engines.decode_ops import rope_cos_sin, rotate_half
 from streamrft.engines.base import GeneratedSample, GenerationRequest
+from streamrft.engines.chunk_memory import DecoderShape, step_bytes
 from streamrft.engines.sampling import process_logits
 
 if TYPE_CHECKING:
@@ -114,6 +115,12 @@ def _parts(module: torch.nn.Module) -> _Parts:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return _Parts(decoder.embed_tokens, list(decoder.layers), decoder.norm, decoder.rotary_emb,
                   module.get_output_embeddings(), cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
+
+
+def decoder_shape(module: torch.nn.Module) -> DecoderShape:
+    """The sizes a static-cache chunk's memory depends on (engines/chunk_memory.py)."""
+    p = _parts(module)
+    return DecoderShape(len(p.layers), p.n_kv, p.head_dim, p.head.weight.shape[0], p.embed.weight.element_size())
 
 
 @dataclass
@@ -334,17 +341,12 @@ class StaticDecoder:
             t.copy_(s)
         # the graph's private pool takes fresh device memory: hand the allocator's cached blocks back first
         # only when the device is short of it (capture_graph)
-        if torch.cuda.mem_get_info(self.tok_B.device)[0] < self._capture_headroom():
+        if torch.cuda.mem_get_info(self.tok_B.device)[0] < step_bytes(self.p.head.weight.shape[0], self.B):
             torch.cuda.empty_cache()
         self.graph = torch.cuda.CUDAGraph()
         capture_graph(self.graph, self._decode_step, pool)
         for t, s in zip(self._state(), saved):  # capture ran the step once more: undo it
             t.copy_(s)
-
-    def _capture_headroom(self) -> int:
-        """Generous bytes for one decode step's temporaries: float32 logits four times over (top-k/top-p
-        processing copies them), plus 256 MiB for the activations and the sampler's partials."""
-        return 4 * self.B * self.p.head.weight.shape[0] * 4 + (256 << 20)
 
     def _state(self) -> list[torch.Tensor]:
         return [self.tokens_BN, self.logp_BN, self.first_stop_B, self.need_B, self.tok_B, self.pos_B, self.step_1]
