@@ -80,10 +80,11 @@ def free_device_bytes(device: torch.device) -> int | None:
     cached blocks, within the process's memory fraction where one is set; None off CUDA (no bound known)."""
     if device.type != "cuda":
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    available = free + torch.cuda.memory_reserved(device) - allocated
-    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    index = torch.cuda.current_device() if device.index is None else device.index  # the fraction needs one
+    free, total = torch.cuda.mem_get_info(index)
+    allocated = torch.cuda.memory_allocated(index)
+    available = free + torch.cuda.memory_reserved(index) - allocated
+    fraction = torch.cuda.get_per_process_memory_fraction(index)
     if fraction < 1.0:
         available = min(available, int(fraction * total) - allocated)
     return max(0, available)
