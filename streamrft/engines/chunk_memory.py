@@ -32,7 +32,7 @@ def step_bytes(vocab: int, rows: int) -> int:
 
 @dataclass(frozen=True)
 class DecoderShape:
-    """What a chunk's memory depends on, from the model's config."""
+    """What a chunk's memory depends on (hf_fast.decoder_shape reads it from the model)."""
 
     n_layers: int
     n_kv_heads: int
