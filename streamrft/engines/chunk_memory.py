@@ -52,27 +52,29 @@ def row_bytes(shape: DecoderShape, n_new: int) -> int:
     return int(generated * (1 + COMPACTION_COPY)) + 12 * n_new
 
 
+def _chunk_bytes(shape: DecoderShape, rows: int, entries: int, longest: int, n_new: int) -> int:
+    return shape.kv_bytes(longest) * entries + rows * row_bytes(shape, n_new) + step_bytes(shape.vocab, rows)
+
+
 def chunk_bytes(shape: DecoderShape, prompts: list[list[int]], n_new: int) -> int:
     """Device bytes a chunk of these prompts' rows decoding ``n_new`` tokens allocates (an upper bound): one
     cache entry per distinct prompt, each as long as the longest, and every row's own share."""
-    entries = len({tuple(p) for p in prompts})
-    longest = max(map(len, prompts))
-    return (shape.kv_bytes(longest) * entries + len(prompts) * row_bytes(shape, n_new)
-            + step_bytes(shape.vocab, len(prompts)))
+    return _chunk_bytes(shape, len(prompts), len({tuple(p) for p in prompts}), max(map(len, prompts)), n_new)
 
 
 def rows_that_fit(shape: DecoderShape, prompts: list[list[int]], n_new: int, free_bytes: int) -> int:
     """How many of ``prompts`` (a prefix, in order) a chunk decoding ``n_new`` tokens can take within
-    ``free_bytes`` (less the margin); 0 when not even one row fits. (A chunk's bytes grow with its prefix.)"""
+    ``free_bytes`` (less the margin); 0 when not even one row fits. One pass: a chunk's bytes only grow
+    with its prefix, and each prompt is hashed once."""
     budget = free_bytes - MARGIN_BYTES
-    lo, hi = 0, len(prompts)  # the answer is in lo..hi: prompts[:lo] fits
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if chunk_bytes(shape, prompts[:mid], n_new) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    entries: set[tuple[int, ...]] = set()
+    longest = 0
+    for rows, prompt in enumerate(prompts, start=1):
+        entries.add(tuple(prompt))
+        longest = max(longest, len(prompt))
+        if _chunk_bytes(shape, rows, len(entries), longest, n_new) > budget:
+            return rows - 1
+    return len(prompts)
 
 
 def free_device_bytes(device: torch.device) -> int | None:
