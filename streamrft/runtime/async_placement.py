@@ -37,6 +37,7 @@ import torch
 from protocols import Control, ScoredSample
 from streamrft.runtime.channels import ChannelReceiver
 from streamrft.runtime.feed import LearnerFeed, TrainBatch
+from streamrft.runtime.log_warnings import LogWarnings
 from streamrft.runtime.stage import StageContext, StageError
 
 
@@ -80,6 +81,7 @@ class AsyncLearnerPipeline:
         self.tasks: dict[asyncio.Task, str] = {}
         self.store = None
         self.procs: list[subprocess.Popen] = []
+        self.engine_warnings: list[LogWarnings] = []  # each engine log's warnings, echoed here (rank 0)
         self.publisher = None
         self.generated_tokens = 0
         self.engine_busy: list[tuple[float, float]] = []
@@ -132,6 +134,7 @@ class AsyncLearnerPipeline:
             path = folder / f"engine{e}.json"
             path.write_text(json.dumps(spec))
             log = open(folder / f"engine{e}.log", "w")
+            self.engine_warnings.append(LogWarnings(folder / f"engine{e}.log", f"engine rank {e}"))
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                         "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
@@ -148,7 +151,10 @@ class AsyncLearnerPipeline:
         return str(self.dist.device) if self.dist.device.type == "cuda" else "cpu"
 
     def check_engines(self) -> None:
-        """Raise naming the engine rank when an engine process has exited before the end of the run."""
+        """Echo the engines' new warnings; raise naming the engine rank when an engine process has exited
+        before the end of the run."""
+        for log in self.engine_warnings:
+            log.echo_new()
         for e, proc in enumerate(self.procs):
             code = proc.poll()
             if code is not None:
@@ -236,6 +242,8 @@ class AsyncLearnerPipeline:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        for log in self.engine_warnings:
+            log.echo_new()
 
 
 class AsyncFeed(LearnerFeed):
