@@ -39,6 +39,8 @@ class DecoderShape:
     head_dim: int
     vocab: int
     dtype_bytes: int
+    hidden: int
+    intermediate: int
 
     def kv_bytes(self, tokens: int) -> int:
         """Keys and values of ``tokens`` cache slots in every layer."""
@@ -52,8 +54,16 @@ def row_bytes(shape: DecoderShape, n_new: int) -> int:
     return int(generated * (1 + COMPACTION_COPY)) + 12 * n_new
 
 
+def prefill_bytes(shape: DecoderShape, entries: int, longest: int) -> int:
+    """The prefill forward's largest temporaries: one layer's activations over every prompt entry's tokens
+    (the MLP's gate, up and their product; the residual, norm, attention output and query)."""
+    return entries * longest * (3 * shape.intermediate + 4 * shape.hidden) * shape.dtype_bytes
+
+
 def _chunk_bytes(shape: DecoderShape, rows: int, entries: int, longest: int, n_new: int) -> int:
-    return shape.kv_bytes(longest) * entries + rows * row_bytes(shape, n_new) + step_bytes(shape.vocab, rows)
+    # the prefill's temporaries are freed before the first decode step's are made
+    transient = max(step_bytes(shape.vocab, rows), prefill_bytes(shape, entries, longest) + STEP_FIXED_BYTES)
+    return shape.kv_bytes(longest) * entries + rows * row_bytes(shape, n_new) + transient
 
 
 def chunk_bytes(shape: DecoderShape, prompts: list[list[int]], n_new: int) -> int:

@@ -120,7 +120,11 @@ def _parts(module: torch.nn.Module) -> _Parts:
 def decoder_shape(module: torch.nn.Module) -> DecoderShape:
     """The sizes a static-cache chunk's memory depends on (engines/chunk_memory.py)."""
     p = _parts(module)
-    return DecoderShape(len(p.layers), p.n_kv, p.head_dim, p.head.weight.shape[0], p.embed.weight.element_size())
+    hidden = p.embed.weight.shape[1]
+    down = p.layers[0].mlp.down_proj
+    intermediate = getattr(down, "base_layer", down).in_features  # a peft LoRA layer wraps the linear
+    return DecoderShape(len(p.layers), p.n_kv, p.head_dim, p.head.weight.shape[0], p.embed.weight.element_size(),
+                        hidden, intermediate)
 
 
 @dataclass
