@@ -22,13 +22,11 @@ Packed microbatches (``packing.py``) work as for the policy.
 from __future__ import annotations
 
 import math
-import os
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -37,6 +35,7 @@ from streamrft.algorithms import value_loss
 from streamrft.learner.fsdp2 import move_batch
 from streamrft.learner.logprobs import text_mask_and_positions
 from streamrft.learner.optim import build_lr_scheduler, build_optimizer
+from streamrft.learner.sharded_state import load_sharded_state, sharded_state
 
 if TYPE_CHECKING:
     from streamrft.config.model import ModelConfig
@@ -164,17 +163,10 @@ class Critic:
 
     def state_for_save(self) -> dict:
         """What ``save`` writes (views of the live state; checkpoint/staging.py copies it for async saves)."""
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+        return sharded_state(self.module, self.optimizer, self.scheduler)
 
     def save(self, path: str) -> None:
         dcp.save(self.state_for_save(), checkpoint_id=path)
 
     def load(self, path: str) -> None:
-        if not os.path.isdir(path):
-            raise ValueError(f"critic checkpoint {path!r} (rank {self.rank}) does not exist; check checkpoint.resume")
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_sharded_state(path, self.module, self.optimizer, self.scheduler, "critic checkpoint", self.rank)

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
@@ -48,6 +47,7 @@ from streamrft.learner.compiling import compile_decoder_layers
 from streamrft.learner.memory import bucketed, move_module_and_optimizer
 from streamrft.learner.logprobs import head_positions, token_logprobs
 from streamrft.learner.optim import build_lr_scheduler, build_optimizer
+from streamrft.learner.sharded_state import load_sharded_state, sharded_state
 from streamrft.models.hub import resolve_model_dir
 
 if TYPE_CHECKING:
@@ -392,23 +392,14 @@ class FSDP2Strategy:
     def state_for_save(self) -> dict:
         """What ``save`` writes (views of the live state; checkpoint/staging.py copies it for async saves)."""
         self.release_gathered_weights()
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+        return sharded_state(self.module, self.optimizer, self.scheduler)
 
     def save(self, path: str) -> None:
         """Sharded model + optimizer + scheduler state with torch.distributed.checkpoint (all ranks call)."""
         dcp.save(self.state_for_save(), checkpoint_id=path)
 
     def load(self, path: str) -> None:
-        """Restore what ``save`` wrote (all ranks call, same world size or resharded by DCP)."""
-        if not os.path.isdir(path):
-            raise ValueError(f"checkpoint path {path!r} (rank {self.rank}) does not exist; check checkpoint.resume")
+        """Restore what ``save`` wrote (all ranks call, same world size or resharded by DCP), reading no
+        pickled code from the folder (checkpoint/safe_load.py)."""
         self.release_gathered_weights()
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
-        from streamrft.checkpoint.safe_load import safe_load_kwargs
-
-        dcp.load(state, **safe_load_kwargs(path))  # no pickle of code from output_dir (checkpoint/safe_load.py)
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_sharded_state(path, self.module, self.optimizer, self.scheduler, "checkpoint path", self.rank)

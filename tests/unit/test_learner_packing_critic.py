@@ -73,3 +73,48 @@ def test_packed_values_equal_unpacked_and_training_lowers_the_value_loss(dist, m
 def test_a_missing_critic_path_names_the_key(dist):
     with pytest.raises(ValueError, match="model.critic_path is empty"):
         Critic(ModelConfig(path="x"), TrainConfig(), EPS, dist, total_steps=1)
+
+
+class _RunsCode:
+    """Unpickling it calls os.system: what a hostile checkpoint's scheduler entry would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_critic_checkpoint_round_trips_and_a_hostile_one_runs_no_code(dist, model_dir, tmp_path):
+    """The critic reads its checkpoint as the policy does (learner/sharded_state.py): after a trained step,
+    a fresh critic loaded from the save gives the same values and schedule; a metadata file that would run
+    code when unpickled is refused, and nothing runs."""
+    import pickle
+    import shutil
+
+    critic = _critic(model_dir, dist)
+    mbs = make_microbatches(_samples(), 30)
+    for mb in mbs:
+        mb["old_values"] = critic.values(mb)
+    critic.train_step(mbs, float(sum(len(s.response_ids) for s in _samples())))
+    critic.save(str(tmp_path / "good"))
+    fresh = _critic(model_dir, dist)
+    assert not torch.equal(fresh.values(mbs[0]), critic.values(mbs[0]))  # the step changed the values
+    fresh.load(str(tmp_path / "good"))
+    assert torch.equal(fresh.values(mbs[0]), critic.values(mbs[0]))
+    assert fresh.scheduler.state_dict() == critic.scheduler.state_dict()
+
+    marker = tmp_path / "ran"
+    hostile = tmp_path / "hostile"
+    shutil.copytree(tmp_path / "good", hostile)
+    (hostile / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": _RunsCode(marker)}))
+    # with a process group up, DCP raises each rank's error inside a CheckpointException (a BaseException)
+    with pytest.raises(BaseException, match=r"checkpoint metadata refers to (posix|os)\.system, which a DCP "
+                                            r"metadata file never holds"):
+        _critic(model_dir, dist).load(str(hostile))
+    assert not marker.exists()
+    with pytest.raises(ValueError, match=r"critic checkpoint '.*missing' \(rank 0\) does not exist; check "
+                                         r"checkpoint.resume"):
+        _critic(model_dir, dist).load(str(tmp_path / "missing"))
