@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -125,6 +126,8 @@ class AsyncLearnerPipeline:
 
         folder = Path(self.cfg.output_dir) / "engines"
         folder.mkdir(parents=True, exist_ok=True)
+        if warning := uncapped_share_warning(self._engine_device(0), self.cfg.rollout.engine_memory_fraction):
+            warnings.warn(warning)
         config = msgspec.to_builtins(self.cfg)
         for e in range(self.n_engines):
             spec = {"config": config, "engine_rank": e, "engine_ranks": self.n_engines, "learner_ranks": self.dist.world_size,
@@ -342,6 +345,17 @@ class AsyncPhase:
             "learner_busy_fraction": sum(b - a for a, b in learner) / wall,
             "both_busy_fraction": overlap_seconds(engine, learner) / wall,
         }
+
+
+def uncapped_share_warning(device: str, fraction: float) -> str | None:
+    """What to say when engine processes share the learner's GPU with no memory cap (None: nothing to say).
+    Both then allocate as they go: the engine sizes each chunk to the memory free when it starts
+    (engines/chunk_memory.py), which can leave the learner's next train step out of memory."""
+    if not device.startswith("cuda") or fraction > 0:
+        return None
+    return (f"rollout.placement=async: the engine processes share {device} with the learner and "
+            "rollout.engine_memory_fraction=0 caps neither: an engine's chunk can take the memory the learner's "
+            "next train step needs; set rollout.engine_memory_fraction (e.g. 0.3, the engine's share)")
 
 
 def _tail(path: Path, lines: int = 8) -> str:

@@ -42,3 +42,13 @@ def test_a_line_still_being_written_waits_for_its_end_and_a_truncated_log_is_rea
     assert watch.echo_new() == ["UserWarning: second"]
     path.write_bytes(b"y.py:1: FutureWarning: after a restart\n")  # shorter than what was read: a new log
     assert watch.echo_new() == ["FutureWarning: after a restart"]
+
+
+def test_engines_sharing_the_learner_gpu_without_a_memory_cap_are_warned_about():
+    from streamrft.runtime.async_placement import uncapped_share_warning
+
+    assert uncapped_share_warning("cpu", 0.0) is None  # CPU engines: no device memory to share
+    assert uncapped_share_warning("cuda:0", 0.3) is None  # capped
+    message = uncapped_share_warning("cuda:1", 0.0)
+    assert message.startswith("rollout.placement=async: the engine processes share cuda:1 with the learner and "
+                              "rollout.engine_memory_fraction=0 caps neither")
