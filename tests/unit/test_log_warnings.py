@@ -1,5 +1,7 @@
-"""A child's log file's warnings are echoed once each on the parent's console (runtime/log_warnings.py): a
-real second process writing Python warnings into its log, lines completed across reads, a truncated log."""
+"""What the async placement's engine processes should tell the user reaches the learner's console: a child's
+log file's warnings, echoed once each (runtime/log_warnings.py: a real second process writing Python warnings
+into its log, lines completed across reads, a truncated log), and the warning for engines sharing the
+learner's GPU without a memory cap."""
 
 from __future__ import annotations
 
