@@ -112,8 +112,8 @@ class ServiceLimits:
     cache_bytes: int = 64 * 1024 * 1024
 
     def check(self) -> None:
-        at_least = {**dict.fromkeys(("max_message_bytes", "max_items", "max_queued", "max_queued_bytes"), 1), "cache_bytes": 0}
-        check_limits(self, at_least, ("score_timeout_s", "http_timeout_s"))
+        at_least_one = ("max_message_bytes", "max_items", "max_queued", "max_queued_bytes")
+        check_limits(self, {**dict.fromkeys(at_least_one, 1), "cache_bytes": 0}, ("score_timeout_s", "http_timeout_s"))
 
 
 class _ScoringThreads(concurrent.futures.ThreadPoolExecutor):
