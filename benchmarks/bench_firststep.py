@@ -129,13 +129,26 @@ COLUMNS = [
 ]
 
 
+def _warmup_parts(warm: dict) -> str:
+    """Where the compile warm-up child's time went: its imports, then each setting's compiles (summed, in the
+    order they first ran), e.g. " (imports 9.3, compile_layers 6.1, compile_head 2.9)"; "" without its log."""
+    if "compile_log" not in warm:
+        return ""
+    each: dict[str, float] = {}
+    for key, seconds in warm["compile_log"]:
+        name = key.removeprefix("train.")
+        each[name] = each.get(name, 0.0) + seconds
+    return " (" + ", ".join([f"imports {warm.get('imports_s', 0):.1f}"] + [f"{k} {v:.1f}" for k, v in each.items()]) + ")"
+
+
 def first_step_table(rows: list[dict]) -> str:
     """One line per StreamRFT run (``first_step`` and ``cache`` from the worker's result): seconds per part."""
     lines = ["first step, seconds (validate: the config check, which imports the learner's modules; roll1/train1: "
              "the first rollout and train step; N: steady median; capture: CUDA-graph capture + Triton decode "
              "compile; compile1: torch.compile's share of the first step (layers, LM head); t2r1: the switch back "
              "to rollout that ends step 1; to_step1: launch to the end of the first train step; warm-up: the "
-             "compile warm-up child's outcome, its wall time from its start, and how long compile1 waited for it; "
+             "compile warm-up child's outcome, its wall time from its start (its imports and each setting's graph "
+             "compiles), and how long compile1 waited for it; "
              "kernels: the engine kernel warm-up child's outcome and wall time)",
              f"{'size':6} {'run':22} {'cache':5} " + " ".join(f"{c:>9}" for c, _ in COLUMNS)
              + "  inductor hit/miss  warm-up  kernels"]
@@ -146,8 +159,8 @@ def first_step_table(rows: list[dict]) -> str:
         cells = " ".join(f"{'-':>9}" if fs.get(k) is None else f"{fs[k]:9.2f}" for _, k in COLUMNS)
         ind = r.get("inductor_cache", {})
         warm = r.get("compile_warmup") or {}
-        warm_cell = (f"{warm.get('status', 'not waited')} {warm.get('wall_s', 0):.1f}s, waited {warm['waited_s']:.1f}s"
-                     if warm else "off")
+        warm_cell = (f"{warm.get('status', 'not waited')} {warm.get('wall_s', 0):.1f}s{_warmup_parts(warm)}, "
+                     f"waited {warm['waited_s']:.1f}s" if warm else "off")
         kernels = r.get("kernel_warmup") or {}
         kernels_cell = f"{kernels['status']} {kernels.get('wall_s', 0):.1f}s" if kernels else "off"
         lines.append(f"{r['size']:6} {r['system']:22} {r.get('cache', '?'):5} {cells}  "

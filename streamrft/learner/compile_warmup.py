@@ -339,13 +339,14 @@ def warmup_batch_shape(cfg) -> tuple[int, int, int]:
 def warm(cfg, device_type: str, compiling_path: Path) -> dict:
     """Compile what the learner's first train step compiles, on a one-layer copy (module docstring). The result
     says how its time went: ``imports_s`` (from the interpreter's start), ``model_s`` (the one-layer copy),
-    ``learner_s`` (process group, FSDP2 wrapping), ``seconds`` (the forward and backward, nearly all compile)."""
+    ``learner_s`` (process group, FSDP2 wrapping), ``seconds`` (the forward and backward, nearly all compile),
+    ``compile_log`` (each graph's compile in order: its setting's key and seconds)."""
     import torch
 
     from streamrft.checkpoint import set_deterministic
     from streamrft.compile_cache import apply_compile_cache
     from streamrft.learner.actor import ActorUpdate
-    from streamrft.learner.compiling import compile_seconds, compiles_finished
+    from streamrft.learner.compiling import compile_log, compile_seconds, compiles_finished
     from streamrft.learner.fsdp2 import FSDP2Strategy
     from streamrft.learner.synthetic import synthetic_batch
     from streamrft.runtime.distributed import all_reduce_sum, init_distributed
@@ -393,7 +394,9 @@ def warm(cfg, device_type: str, compiling_path: Path) -> dict:
     if device_type == "cuda":
         torch.cuda.synchronize()
     return {"status": "ok", "seconds": round(time.perf_counter() - t0, 3), "compiles": compiles_finished() - compiles0,
-            "compile_seconds": round(compile_seconds(), 3), **{k: round(v, 3) for k, v in phases.items()}}
+            "compile_seconds": round(compile_seconds(), 3), **{k: round(v, 3) for k, v in phases.items()},
+            # each graph's compile in order, named by its setting: which one the learner's first step waits on
+            "compile_log": [[key, round(s, 3)] for key, s in compile_log()[compiles0:]]}
 
 
 def _since_interpreter_start() -> float:

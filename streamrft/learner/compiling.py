@@ -71,7 +71,9 @@ class _CompileScope:
     saved: dict | None = None  # the settings before the compile this scope changed
     finished = 0  # Dynamo compiles ended since the callbacks were first installed (compiles_finished)
     seconds = 0.0  # their wall time, start to end callback (compile_seconds)
+    each: list[tuple[str, float]] = []  # (the compiler's key or "other", seconds) of each, in order (compile_log)
     _started_at = 0.0
+    _started_key = "other"
 
     @classmethod
     def install(cls) -> None:
@@ -85,6 +87,7 @@ class _CompileScope:
     @classmethod
     def _start(cls, _args) -> None:
         cls._started_at = time.perf_counter()
+        cls._started_key = cls.active.key if cls.active is not None else "other"
         if cls.active is None or cls.saved is not None:
             return
         import torch._functorch.config as functorch_config
@@ -100,7 +103,9 @@ class _CompileScope:
     @classmethod
     def _end(cls, _args) -> None:
         cls.finished += 1
-        cls.seconds += time.perf_counter() - cls._started_at
+        took = time.perf_counter() - cls._started_at
+        cls.seconds += took
+        cls.each.append((cls._started_key, took))
         if cls.saved is None:
             return
         import torch._functorch.config as functorch_config
@@ -122,6 +127,13 @@ def compile_seconds() -> float:
     """Wall seconds those compiles took (Dynamo's trace, AOTAutograd, Inductor or its cache): the driver logs
     each step's share as ``compile_seconds`` (a first step's compile; later, a recompile for a new shape)."""
     return _CompileScope.seconds
+
+
+def compile_log() -> list[tuple[str, float]]:
+    """Each of those compiles in order: the key of the ``CompiledOrEager`` whose call started it
+    (``train.compile_layers``, ``train.compile_head``; "other" for any other) and its wall seconds. The
+    compile warm-up's child reports it, so a GPU run shows which graph its cold compile waits on."""
+    return list(_CompileScope.each)
 
 
 _PRELOAD: threading.Thread | None = None  # the compiler's import, started by preload_compiler

@@ -48,6 +48,13 @@ def test_breakdown_from_marks_and_calls():
                                 "compile_warmup": {"status": "ok", "wall_s": 21.04, "waited_s": 2.5},
                                 "kernel_warmup": {"status": "ok", "wall_s": 14.26, "launches": 24}}])
     assert warmed.splitlines()[2].endswith("3/0  ok 21.0s, waited 2.5s  ok 14.3s")
+    logged = first_step_table([{"size": "0.5b", "system": "streamrft", "cache": "cold", "first_step": b,
+                                "compile_warmup": {"status": "ok", "wall_s": 25.4, "waited_s": 10.2, "imports_s": 9.28,
+                                                   "compile_log": [["train.compile_layers", 6.04], ["other", 0.5],
+                                                                   ["train.compile_head", 2.0],
+                                                                   ["train.compile_layers", 1.02]]}}])
+    assert logged.splitlines()[2].endswith(
+        "ok 25.4s (imports 9.3, compile_layers 7.1, other 0.5, compile_head 2.0), waited 10.2s  off")
 
 
 def test_stamps_time_functions_methods_and_constructors():

@@ -334,8 +334,11 @@ def test_compile_seconds_add_each_compiles_wall_time_and_nothing_for_a_cached_ca
     assert compiling.compiles_finished() == compiles + 1
     took = compiling.compile_seconds() - seconds
     assert 0.3 <= took < 30
+    key, each = compiling.compile_log()[-1]
+    assert key == "test.compile" and each == pytest.approx(took)  # named by its compiler's key
     assert torch.equal(double(torch.zeros(3)), torch.ones(3))  # the same shape: the cached graph
     assert compiling.compiles_finished() == compiles + 1 and compiling.compile_seconds() - seconds == took
+    assert len(compiling.compile_log()) == compiles + 1
 
 
 def test_auto_compiles_the_layers_for_fsdp2_on_a_gpu_only(tmp_path):

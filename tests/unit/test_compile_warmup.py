@@ -92,6 +92,8 @@ def test_the_child_compiles_the_layer_graph_that_the_full_learner_then_reads_fro
     result = compile_warmup.wait_for_warmup()  # it is compiling: the learner waits for it
     assert result["status"] == "ok", warm.log_path.read_text()[-3000:]
     assert result["compiles"] >= 1  # the layer graph (forward and backward: one Dynamo compile)
+    keys = [key for key, _ in result["compile_log"]]  # each compile in order, named by its setting
+    assert len(keys) == result["compiles"] and "train.compile_layers" in keys
     assert json.loads(warm.result_path.read_text()) == {k: v for k, v in result.items() if k != "wall_s"}
     assert any((tmp_path / "cache" / "inductor").rglob("*")), "the child wrote nothing into compile_cache_dir"
     proc = subprocess.run([sys.executable, "-c", LEARNER, str(cfg_path)], cwd=REPO, capture_output=True, text=True,
