@@ -16,3 +16,15 @@ def model_dir(tmp_path_factory):
     tok = build_char_tokenizer(d, "0123456789+-=abcdefghijklmnopq")
     return build_tiny_qwen2(d, tok, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                             intermediate_size=64, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory):
+    """The engine tests' tiny Qwen2 policy (2 layers, hidden 32, vocabulary "0123456789+-= "), saved and loaded
+    through the real loading code, in eval mode; one per test module."""
+    from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy
+
+    out = str(tmp_path_factory.mktemp("tiny"))
+    tok = build_char_tokenizer(out, "0123456789+-= ")
+    build_tiny_qwen2(out, tok, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    return load_policy(out)[0].eval()

@@ -12,7 +12,6 @@ from streamrft.config.engine import EngineConfig
 from streamrft.engines.base import GeneratedSample, GenerationRequest
 from streamrft.engines.call_merge import CallMerger
 from streamrft.engines.hf import HFEngine
-from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy
 
 
 class ScriptedChunks:
@@ -131,14 +130,6 @@ def test_a_request_id_already_in_flight_is_refused_before_anything_runs():
     assert message == ("generate(): request id 'a1' is already in flight in another generate() call on this "
                        "engine; request ids must be unique among calls in flight")
     assert chunks == [["a0", "a1"]] and first == ["a0", "a1"]
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory) -> torch.nn.Module:
-    out = str(tmp_path_factory.mktemp("tiny"))
-    tok = build_char_tokenizer(out, "0123456789+-= ")
-    build_tiny_qwen2(out, tok, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
-    return load_policy(out)[0].eval()
 
 
 def _engine(module: torch.nn.Module, own_weights: bool) -> HFEngine:

@@ -19,17 +19,8 @@ from streamrft.engines.chunk_memory import (
     MARGIN_BYTES, STEP_FIXED_BYTES, DecoderShape, chunk_bytes, row_bytes, rows_that_fit, step_bytes,
 )
 from streamrft.engines.hf import HFEngine
-from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy
 
 from tests.unit.test_call_merge import ScriptedChunks, _collect, _rows
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory) -> torch.nn.Module:
-    out = str(tmp_path_factory.mktemp("tiny"))
-    tok = build_char_tokenizer(out, "0123456789+-= ")
-    build_tiny_qwen2(out, tok, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
-    return load_policy(out)[0].eval()
 
 
 def test_the_compaction_copy_is_the_fraction_at_which_chunks_compact():
