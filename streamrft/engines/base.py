@@ -20,6 +20,10 @@ class GenerationRequest:
     seed: int
     max_new_tokens: int | None = None  # None = engine config
 
+    def new_tokens(self, default: int) -> int:
+        """The most tokens to generate: this request's own ``max_new_tokens``, else the engine's ``default``."""
+        return default if self.max_new_tokens is None else self.max_new_tokens
+
 
 @dataclass
 class GeneratedSample:
@@ -97,7 +101,7 @@ def check_requests(requests: list[GenerationRequest], max_new_tokens: int) -> No
         seen.add(r.request_id)
         if not r.prompt_ids:
             raise ValueError(f"request {r.request_id!r} has an empty prompt; every prompt needs >= 1 token")
-        n_new = max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+        n_new = r.new_tokens(max_new_tokens)
         if n_new < 1:
             raise ValueError(f"request {r.request_id!r} has max_new_tokens={n_new}; it must be >= 1")
 

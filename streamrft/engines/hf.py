@@ -247,7 +247,7 @@ class HFEngine:
 
         if self._shape is None:
             self._shape = decoder_shape(self.module)
-        n_new = max(self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in requests)
+        n_new = max(r.new_tokens(self.cfg.max_new_tokens) for r in requests)
         prompts = [r.prompt_ids for r in requests]
         fit = rows_that_fit(self._shape, prompts, n_new, free)
         gib = lambda rows: chunk_bytes(self._shape, prompts[:rows], n_new) / 2**30  # noqa: E731
@@ -303,7 +303,7 @@ class HFEngine:
         check_requests(requests, self.cfg.max_new_tokens)
         limit = getattr(getattr(self.module, "config", None), "max_position_embeddings", None)
         for r in requests:
-            n_new = self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+            n_new = r.new_tokens(self.cfg.max_new_tokens)
             if limit is not None and len(r.prompt_ids) + n_new > limit:
                 raise ValueError(
                     f"request {r.request_id!r}: prompt of {len(r.prompt_ids)} tokens + max_new_tokens={n_new} "
@@ -327,7 +327,7 @@ class HFEngine:
         rows = [
             _Row(
                 request=r,
-                max_new_tokens=self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens,
+                max_new_tokens=r.new_tokens(self.cfg.max_new_tokens),
                 generator=torch.Generator(device=self.device).manual_seed(r.seed),
                 response_ids=[],
                 logprobs=[],

@@ -460,7 +460,7 @@ async def generate_chunk_static(engine: HFEngine, requests: list[GenerationReque
     blocks of ``sync_every`` and the host reads block k while the GPU decodes block k + 1."""
     cfg = engine.cfg
     version = engine.policy_version  # the engine pins its weights while this chunk runs (HFEngine._pin)
-    limits = [cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in requests]
+    limits = [r.new_tokens(cfg.max_new_tokens) for r in requests]
     n_new = max(limits)
 
     def prepare(ops: ModuleType) -> StaticDecoder:

@@ -125,5 +125,6 @@ def main(argv: list[str]) -> int:
 
     return run_child(argv, lambda cfg, device_type, _result_path, world_size: warm(cfg, device_type, int(world_size)))
 
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

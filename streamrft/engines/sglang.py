@@ -139,7 +139,7 @@ class SGLangEngine:
         greedy = self.cfg.top_k == 1
         params = {
             "temperature": 0.0 if greedy else self.cfg.temperature, "top_p": 1.0, "top_k": -1,
-            "max_new_tokens": self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens,
+            "max_new_tokens": r.new_tokens(self.cfg.max_new_tokens),
             "stop_token_ids": self.stop_token_ids, "sampling_seed": r.seed, "skip_special_tokens": False,
         }
         return {"rid": r.request_id, "input_ids": list(r.prompt_ids), "sampling_params": params, "return_logprob": True}

@@ -82,7 +82,7 @@ def sampling_kwargs(cfg: EngineConfig, request: GenerationRequest, stop_token_id
     """vLLM SamplingParams fields for one request (also the /v1/completions body fields)."""
     return dict(
         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k if cfg.top_k > 0 else -1,
-        max_tokens=cfg.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens,
+        max_tokens=request.new_tokens(cfg.max_new_tokens),
         seed=request.seed, stop_token_ids=stop_token_ids, logprobs=0, skip_special_tokens=False,
     )
 
