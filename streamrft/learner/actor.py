@@ -22,6 +22,7 @@ from streamrft.algorithms import (
 )
 from streamrft.algorithms.filters import high_entropy_token_mask
 from streamrft.algorithms.turns import turn_end_indices, turn_token_rewards
+from streamrft.learner.memory import out_of_memory_advice
 from streamrft.learner.microbatch import SequenceSample, make_microbatches, padding_microbatch
 from streamrft.learner.packing import make_packed_microbatches, n_sequences, rows_by_sample, scatter_by_sample
 from streamrft.runtime.distributed import all_reduce_max
@@ -185,8 +186,22 @@ class ActorUpdate:
             _scatter_rows(mbs, "returns", [out.returns[i, :k] for i, k in enumerate(lengths)])
 
     def train_step(self, batch: list[TrainSample]) -> dict[str, float]:
-        """One step over this rank's samples: returns metrics already reduced over all ranks."""
+        """One step over this rank's samples: returns metrics already reduced over all ranks. Out of device memory,
+        the error names the rank, the microbatch and the settings that lower the learner's peak
+        (``learner/memory.out_of_memory_advice``)."""
         mbs = self._microbatches(batch)
+        try:
+            return self._train_microbatches(batch, mbs)
+        except torch.OutOfMemoryError as exc:
+            s = self.strategy
+            device = torch.device(s.device)
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+            largest = max((mb["input_ids"].numel() for mb in mbs), default=0)
+            raise torch.OutOfMemoryError(out_of_memory_advice(self.cfg, s.rank, s.world_size, device.type, largest,
+                                                              peak, total)) from exc
+
+    def _train_microbatches(self, batch: list[TrainSample], mbs) -> dict[str, float]:
         n_updates = self.cfg.train.ppo_epochs * self.cfg.train.mini_batches_per_step
         for mb in mbs:
             if self.reference is not None and self.kl_coef > 0:

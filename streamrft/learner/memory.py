@@ -45,3 +45,28 @@ def bucketed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> It
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+def out_of_memory_advice(cfg, rank: int, world_size: int, device_type: str, largest_microbatch_tokens: int,
+                         peak_bytes: int, total_bytes: int) -> str:
+    """What a train step that ran out of device memory says: the rank, the microbatch, the device's peak against
+    its size, and the settings that lower the learner's peak which this run has not set yet, cheapest first
+    (benchmarks/NOTES.md v21-v22 measured each one's cost in speed). Why a message of its own: CUDA's names the
+    bytes it could not allocate and the allocator's fragmentation, not which of the run's settings to change.
+    ``cfg``: the run's Config."""
+    from streamrft.config.train import compile_layers_enabled, reshard_after_forward_enabled
+
+    t = cfg.train
+    options = [f"train.micro_batch_tokens (now {t.micro_batch_tokens}; the peak's activations scale with it)"]
+    if t.strategy == "fsdp2" and compile_layers_enabled(t, device_type) and t.activation_memory_budget >= 1.0:
+        options.append("train.activation_memory_budget=0.5 (the compiled layers recompute part of their activations)")
+    if t.strategy == "fsdp2" and not reshard_after_forward_enabled(t, world_size):
+        options.append("train.reshard_after_forward=true (the gathered compute-dtype weights are not kept)")
+    if not cfg.model.gradient_checkpointing:
+        options.append("model.gradient_checkpointing=true")
+    if t.strategy == "fsdp2" and not t.optimizer_offload:
+        options.append("train.optimizer_offload=true (the AdamW moments in host memory: 8 bytes a parameter)")
+    gib = 1024 ** 3
+    return (f"rank {rank}: the train step ran out of {device_type} memory in a microbatch of up to "
+            f"{largest_microbatch_tokens} tokens (peak {peak_bytes / gib:.1f} GiB allocated of the device's "
+            f"{total_bytes / gib:.1f} GiB). Settings that lower the learner's peak: " + "; ".join(options) + ".")
