@@ -290,6 +290,10 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     async def main():
         try:
             summary.update(await train_loop(run))
+            if cuda:  # the GRPO steps' peak; the engine-only call below has a workload of its own (no shared
+                # prompts: 512 prompt entries and their prefill at once), measured apart (engine_only_peak_gib)
+                summary["steps_peak"] = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+                torch.cuda.reset_peak_memory_stats()
             if placement == "async":  # the rollout engine lives in its own process: no engine-only timing here
                 return float("nan")
             # the engine alone, after training (weights unsharded for rollout): one full generate call
@@ -334,9 +338,12 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         "r2t_s": med("phase/rollout_to_train_seconds"), "t2r_s": med("phase/train_to_rollout_seconds"),
         "weight_sync_s": med("phase/weight_push_seconds"), "offload_s": med("phase/offload_seconds"),
         "reload_s": med("phase/reload_seconds"), "engine_only_s": engine_s,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        # over the GRPO steps (before v22 this included the engine-only call, whose 512 distinct prompts' prefill
+        # and cache made the 1.5B peak: benchmarks/NOTES.md v22)
+        "peak_gib": summary["steps_peak"][0] / 2**30 if cuda else 0.0,
         # what the caching allocator held at most (allocated + cached pools): the device memory really taken
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+        "peak_reserved_gib": summary["steps_peak"][1] / 2**30 if cuda else 0.0,
+        "engine_only_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda and placement != "async" else 0.0,
         "step_times": [r.get("step_seconds") for r in rows], "rollout_times": times["rollout"][:n_roll],
         "train_times": times["train"], "both_busy": summary.get("async_both_busy_fraction", 0.0),
         # per step, what checkpointing blocked the step (checkpoint.async_save: the host copy only; the last

@@ -54,6 +54,10 @@ class TrainConfig(Section):
     # fsdp2: AdamW's exp_avg/exp_avg_sq in pinned host memory, streamed through the device one parameter at a time
     # in each step (learner/host_adamw.py): 8 bytes/parameter off the GPU (57 GiB at 7.6B) for full fine-tuning
     optimizer_offload: bool = False
+    # AdamW as one fused kernel per parameter group (torch's fused=True) instead of torch's default foreach ops,
+    # whose step holds one more parameter-sized float32 temporary (the square root of exp_avg_sq) at its peak;
+    # the same update up to float rounding. Not with optimizer_offload (its per-parameter stream is its own)
+    fused_adamw: bool = False
     offload_between_phases: bool = True  # colocated: move optimizer state (and params) to host memory during rollout; false keeps them on the device (faster switch when memory allows)
 
 

@@ -61,6 +61,7 @@ VARIANT_KEYS: dict[str, tuple[str, tuple | str]] = {
     "train.critic_lr": ("model.critic_path", SET),
     "train.offload_between_phases": ("rollout.placement", ("colocated",)),
     "train.optimizer_offload": ("train.strategy", ("fsdp2",)),  # DeepSpeed has its own offload
+    "train.fused_adamw": ("train.optimizer_offload", (False,)),  # the offloaded AdamW streams its own update
     "train.compile_layers": ("train.strategy", ("fsdp2",)),  # DeepSpeed's ZeRO hooks are not composed with it
     "train.reshard_after_forward": ("train.strategy", ("fsdp2",)),  # ZeRO-3 has its own (zero_stage)
     "train.compile_warmup": ("train.strategy", ("fsdp2",)),  # it builds the learner through FSDP2Strategy

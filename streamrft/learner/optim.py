@@ -40,7 +40,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], train_cfg: TrainConfig
         return HostAdamW(params, lr=train_cfg.lr, betas=(beta1, beta2), eps=train_cfg.adam_eps,
                          weight_decay=train_cfg.weight_decay)
     return ShardLocalAdamW(params, lr=train_cfg.lr, betas=(beta1, beta2), eps=train_cfg.adam_eps,
-                           weight_decay=train_cfg.weight_decay)
+                           weight_decay=train_cfg.weight_decay, fused=train_cfg.fused_adamw or None)
 
 
 class ShardLocalAdamW(torch.optim.AdamW):

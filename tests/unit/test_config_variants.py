@@ -50,6 +50,9 @@ def settings(*overrides: str) -> Config:
      "train.compile_layers is set but train.strategy='deepspeed'; it applies only to train.strategy in ('fsdp2',)"),
     (("train.strategy=deepspeed", "train.optimizer_offload=true"),
      "train.optimizer_offload is set but train.strategy='deepspeed'; it applies only to train.strategy in ('fsdp2',)"),
+    (("train.optimizer_offload=true", "train.fused_adamw=true"),
+     "train.fused_adamw is set but train.optimizer_offload=True; it applies only to train.optimizer_offload in "
+     "(False,)"),
     (("train.compile_layers=false", "train.activation_memory_budget=0.5"),
      "train.activation_memory_budget is set but train.compile_layers=False; it applies only to "
      "train.compile_layers in ('auto', True)"),

@@ -325,3 +325,21 @@ def test_a_step_after_an_unreduced_microbatch_is_an_error_naming_the_rank(dist, 
         strat.step()
     strat.forward_backward(mb, _loss_fn(10.0), T)  # the accumulation can still be completed
     assert strat.step()["grad_norm"] > 0
+
+
+def test_fused_adamw_takes_the_same_steps_as_the_default_up_to_rounding(dist, model_dir):
+    mbs = _microbatches()
+    start, trained = None, {}
+    for fused in (False, True):
+        strat = FSDP2Strategy(*configs(model_dir, fused_adamw=fused, grad_clip=0.0), dist, total_steps=10)
+        assert strat.optimizer.defaults["fused"] is (True if fused else None)
+        start = start or {n: _full(p).detach().clone() for n, p in strat.module.named_parameters()}
+        for _ in range(3):
+            for mb in mbs:
+                strat.forward_backward(mb, _loss_fn(10.0), T, last_before_step=mb is mbs[-1])
+            strat.step()
+        trained[fused] = {n: _full(p).detach().clone() for n, p in strat.module.named_parameters()}
+    for name, want in trained[False].items():
+        torch.testing.assert_close(trained[True][name], want, atol=2e-6, rtol=1e-5)
+    # the three steps moved the weights: the comparison is not of two untrained models
+    assert max(float((trained[True][n] - start[n]).abs().max()) for n in start) > 1e-3
