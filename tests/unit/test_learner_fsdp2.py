@@ -339,7 +339,9 @@ def test_fused_adamw_takes_the_same_steps_as_the_default_up_to_rounding(dist, mo
                 strat.forward_backward(mb, _loss_fn(10.0), T, last_before_step=mb is mbs[-1])
             strat.step()
         trained[fused] = {n: _full(p).detach().clone() for n, p in strat.module.named_parameters()}
+    # the kernels round differently (a weight whose second moment is tiny amplifies it: 3e-6 seen on CI with one
+    # thread); a wrong update (no bias correction, no weight decay on a norm weight of 1) is off by 1e-4 or more
     for name, want in trained[False].items():
-        torch.testing.assert_close(trained[True][name], want, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(trained[True][name], want, atol=2e-5, rtol=0)
     # the three steps moved the weights: the comparison is not of two untrained models
     assert max(float((trained[True][n] - start[n]).abs().max()) for n in start) > 1e-3
