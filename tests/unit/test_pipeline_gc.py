@@ -83,7 +83,9 @@ def test_a_step_that_compiled_freezes_what_the_compile_left_and_only_that_step()
             kept_by_step_3 = _Cycle()
             assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))  # the same shape: no new compile
             pipe.step_trained(2)
-            assert not _in_frozen_generation(kept_by_step_3) and gc.get_freeze_count() == frozen
+            # nothing more frozen; a frozen object may still be freed by its reference count (CI saw 2 of ~780,000
+            # go in between), so the count may drop, not grow (a freeze would move every tracked object: thousands)
+            assert not _in_frozen_generation(kept_by_step_3) and gc.get_freeze_count() <= frozen
         finally:
             await pipe.stop()
         assert gc.get_freeze_count() == 0
