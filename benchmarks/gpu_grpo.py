@@ -327,6 +327,8 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
     tokens = response_tokens(wl, steps)
     from torch._dynamo.utils import counters
 
+    from streamrft.learner.compiling import compile_log
+
     return {
         "system": tag, "size": size, "steps": len(rows), "variant": variant, "overrides": list(overrides or []),
         "trainable_params": run.trainable_params,  # LoRA: the adapters only
@@ -361,6 +363,9 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         "optimizer_parts": timeline.optimizer_parts, "optimizer_stacks": timeline.stack_summary(),
         # cold: compile_cache_dir was empty when this run started; the Inductor FX-graph cache's hits/misses
         "cache": cache, "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
+        # this process's compiles in order (the learner's graphs by setting key, and their seconds): against the
+        # warm-up child's compile_log, which graph the child's Inductor cache did not serve (NOTES v22)
+        "compile_log": [[key, round(s, 3)] for key, s in compile_log()],
         # the compile warm-up's child (None: train.compile_warmup off): its result (status, its compiles and their
         # seconds, its wall time from its start) and how long the first train step's compile waited for it
         "compile_warmup": warmup and {**(warmup.result or {}), "waited_s": round(warmup.waited_s, 3)},
