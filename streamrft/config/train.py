@@ -49,6 +49,11 @@ class TrainConfig(Section):
     # model.gradient_checkpointing). benchmarks/NOTES.md v12: peak memory against train time on the H200
     activation_memory_budget: float = 1.0
     head_kernel: Literal["fused", "checkpoint"] = "fused"  # LM-head log-prob/entropy: fused (analytic backward, 4096-row chunks) or checkpoint (autograd, 1024-row chunks)
+    # response tokens per chunk of the LM head's (tokens, vocabulary) blocks, forward and backward; auto = the head
+    # kernel's own (fused 4096, checkpoint 1024). The head's backward runs first, while every layer's activations
+    # are held: at vocabulary 151936 the compiled fused backward holds two bf16 blocks of 1.16 GiB each at 4096, so
+    # a smaller chunk lowers the train step's peak (benchmarks/NOTES.md v23)
+    head_chunk_tokens: Union[Literal["auto"], int] = "auto"
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise resume checks
     record_batches: bool = False  # save every step's batch under output_dir/batches/ for `streamrft replay`
     # fsdp2: AdamW's exp_avg/exp_avg_sq in pinned host memory, streamed through the device one parameter at a time
@@ -64,6 +69,11 @@ class TrainConfig(Section):
 def compile_head_enabled(compile_head: bool, device_type: str) -> bool:
     """train.compile_head resolved for a learner on ``device_type``: the LM head compiles on CUDA only."""
     return compile_head and device_type == "cuda"
+
+
+def head_chunk_size(cfg: TrainConfig) -> int | None:
+    """train.head_chunk_tokens resolved: None (auto) is the head kernel's own (``logprobs.DEFAULT_CHUNK``)."""
+    return None if cfg.head_chunk_tokens == "auto" else int(cfg.head_chunk_tokens)
 
 
 def reshard_after_forward_enabled(cfg: TrainConfig, world_size: int) -> bool:

@@ -145,6 +145,8 @@ def validate_train(cfg) -> None:
         raise ConfigError("train.mini_batches_per_step and train.ppo_epochs must be >= 1")
     if t.head_kernel not in HEAD_KERNELS:
         raise ConfigError(f"train.head_kernel={t.head_kernel!r} must be one of: {', '.join(HEAD_KERNELS)}")
+    if t.head_chunk_tokens != "auto" and (isinstance(t.head_chunk_tokens, bool) or t.head_chunk_tokens < 1):
+        raise ConfigError(f"train.head_chunk_tokens={t.head_chunk_tokens!r} must be auto or an integer >= 1")
     if cfg.rollout.prompts_per_step % t.mini_batches_per_step != 0:
         raise ConfigError(
             f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by "

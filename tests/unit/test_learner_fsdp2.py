@@ -345,3 +345,38 @@ def test_fused_adamw_takes_the_same_steps_as_the_default_up_to_rounding(dist, mo
         torch.testing.assert_close(trained[True][name], want, atol=2e-5, rtol=0)
     # the three steps moved the weights: the comparison is not of two untrained models
     assert max(float((trained[True][n] - start[n]).abs().max()) for n in start) > 1e-3
+
+
+def test_head_chunk_tokens_sets_the_lm_heads_chunk_in_both_strategies_with_the_same_numbers(dist, model_dir,
+                                                                                             monkeypatch):
+    import streamrft.learner.logprobs as logprobs
+    from streamrft.learner.deepspeed import _LogprobModel
+
+    chunks = []
+    real = logprobs.fused_logp_entropy
+
+    def spy(*args):  # the real kernel, its chunk size written down
+        chunks.append(args[6])
+        return real(*args)
+
+    monkeypatch.setattr(logprobs, "fused_logp_entropy", spy)
+    mbs = _microbatches()
+    grads, logps = {}, {}
+    for chunk in ("auto", 3):
+        strat = FSDP2Strategy(*configs(model_dir, head_chunk_tokens=chunk), dist, total_steps=10)
+        chunks.clear()
+        for mb in mbs:
+            strat.forward_backward(mb, _loss_fn(10.0), T, last_before_step=mb is mbs[-1])
+        logps[chunk] = strat.compute_logprobs(mbs[0], T)[0]
+        assert chunks == [4096 if chunk == "auto" else 3] * (len(mbs) + 1)  # every microbatch, and the no-grad pass
+        strat.release_gathered_weights()  # at world size 1 the sharded parameters hold .grad after this
+        grads[chunk] = {n: _full(p.grad).clone() for n, p in strat.module.named_parameters()}
+    # chunks of 3 tokens: the head's weight gradient is summed over more chunks, the same up to rounding
+    torch.testing.assert_close(logps[3], logps["auto"], atol=1e-6, rtol=0)
+    for name, want in grads["auto"].items():
+        torch.testing.assert_close(grads[3][name], want, atol=1e-6, rtol=1e-5)
+    # DeepSpeed's forward module takes the same setting (its engine wraps this module)
+    chunks.clear()
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    _LogprobModel(policy, head_chunk_tokens=5)(mbs[0], T, False)
+    assert chunks == [5]

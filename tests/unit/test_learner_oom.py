@@ -23,7 +23,8 @@ def test_the_advice_names_the_rank_microbatch_peak_and_every_setting_not_yet_tak
                                peak_bytes=int(72.4 * GIB), total_bytes=int(79.2 * GIB))
     assert msg.startswith("rank 3: the train step ran out of cuda memory in a microbatch of up to 24576 tokens "
                           "(peak 72.4 GiB allocated of the device's 79.2 GiB)")
-    for setting in ("train.micro_batch_tokens (now 48;", "train.activation_memory_budget=0.5",
+    for setting in ("train.micro_batch_tokens (now 48;", "train.head_chunk_tokens=2048 (now 4096;",
+                    "train.activation_memory_budget=0.5",
                     "train.reshard_after_forward=true", "model.gradient_checkpointing=true",
                     "train.optimizer_offload=true"):
         assert setting in msg, setting
@@ -31,7 +32,7 @@ def test_the_advice_names_the_rank_microbatch_peak_and_every_setting_not_yet_tak
 
 def test_the_advice_leaves_out_what_the_run_already_set_or_cannot_use():
     taken = _cfg("train.activation_memory_budget=0.5", "train.reshard_after_forward=true",
-                 "model.gradient_checkpointing=true", "train.optimizer_offload=true")
+                 "model.gradient_checkpointing=true", "train.optimizer_offload=true", "train.head_chunk_tokens=1024")
     msg = out_of_memory_advice(taken, 0, 1, "cuda", 10, 0, 0)
     assert msg.endswith("Settings that lower the learner's peak: train.micro_batch_tokens (now 48; the peak's "
                         "activations scale with it).")
@@ -39,6 +40,10 @@ def test_the_advice_leaves_out_what_the_run_already_set_or_cannot_use():
     # has neither FSDP2 setting nor the FSDP2 optimizer offload
     assert "reshard_after_forward" not in out_of_memory_advice(_cfg(), 0, 2, "cuda", 10, 0, 0)
     assert "activation_memory_budget" not in out_of_memory_advice(_cfg(), 0, 1, "cpu", 10, 0, 0)
+    # the checkpoint head kernel's own chunk is 1024 already; a chunk set above it is halved from there
+    assert "head_chunk_tokens" not in out_of_memory_advice(_cfg("train.head_kernel=checkpoint"), 0, 1, "cuda", 10, 0, 0)
+    assert "train.head_chunk_tokens=1536 (now 3072;" in out_of_memory_advice(
+        _cfg("train.head_kernel=checkpoint", "train.head_chunk_tokens=3072"), 0, 1, "cuda", 10, 0, 0)
     deepspeed = out_of_memory_advice(_cfg("train.strategy=deepspeed"), 0, 1, "cuda", 10, 0, 0)
     assert "reshard_after_forward" not in deepspeed and "optimizer_offload" not in deepspeed
 
