@@ -5,6 +5,10 @@ from typing import Literal, Union
 from streamrft.config.base import Section
 
 HEAD_KERNELS = ("fused", "checkpoint")  # train.head_kernel's values (learner/logprobs.py dispatches on them)
+# each head kernel's own chunk (train.head_chunk_tokens=auto): tokens per (chunk, vocabulary) block. Eagerly the
+# fused kernel peaks at ~2 float32 blocks and the checkpointed one at ~5 (benchmarks/head_bench.py, CPU: 2.1 vs
+# 5.1); compiled, fused holds the head output and dZ in bf16. Larger chunks mean fewer, larger GEMMs
+HEAD_KERNEL_CHUNKS = {"fused": 4096, "checkpoint": 1024}
 
 
 class TrainConfig(Section):
@@ -72,8 +76,11 @@ def compile_head_enabled(compile_head: bool, device_type: str) -> bool:
 
 
 def head_chunk_size(cfg: TrainConfig) -> int | None:
-    """train.head_chunk_tokens resolved: None (auto) is the head kernel's own (``logprobs.DEFAULT_CHUNK``)."""
-    return None if cfg.head_chunk_tokens == "auto" else int(cfg.head_chunk_tokens)
+    """train.head_chunk_tokens resolved: auto is train.head_kernel's own chunk (``HEAD_KERNEL_CHUNKS``); None for
+    an unknown head kernel, which the head then refuses by its key (learner/logprobs.py)."""
+    if cfg.head_chunk_tokens == "auto":
+        return HEAD_KERNEL_CHUNKS.get(cfg.head_kernel)
+    return int(cfg.head_chunk_tokens)
 
 
 def reshard_after_forward_enabled(cfg: TrainConfig, world_size: int) -> bool:

@@ -59,7 +59,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 LOGPROB_METHOD = "streamrft_token_logprobs"  # the FSDP forward method added to the model instance
 COMPILE_HEAD_FLAG = "streamrft_compile_head"  # instance attribute: train.compile_head for that method
 HEAD_KERNEL_FLAG = "streamrft_head_kernel"  # instance attribute: train.head_kernel for that method
-HEAD_CHUNK_FLAG = "streamrft_head_chunk"  # instance attribute: train.head_chunk_tokens (None: the kernel's own)
+HEAD_CHUNK_FLAG = "streamrft_head_chunk"  # instance attribute: train.head_chunk_tokens, resolved (None: the kernel's)
 
 
 _MULTIMODAL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_audio": "Qwen2AudioForConditionalGeneration"}

@@ -24,14 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from streamrft.config.train import HEAD_KERNELS, compile_head_enabled
+from streamrft.config.train import HEAD_KERNEL_CHUNKS, HEAD_KERNELS, compile_head_enabled
 from streamrft.learner.compiling import CompiledOrEager
 from streamrft.learner.fused_head import fused_logp_entropy
 
-# rows per chunk when the caller gives none. Eagerly the fused kernel peaks at ~2 float32 (chunk, V) blocks
-# and the checkpointed one at ~5 (benchmarks/head_bench.py, CPU: 2.1 vs 5.1); compiled, fused holds the head
-# output and dZ in bf16. Larger chunks mean fewer, larger GEMMs; 4096 is the guess until the GPU sweep
-DEFAULT_CHUNK = {"fused": 4096, "checkpoint": 1024}
+# rows per chunk when the caller gives none: each kernel's own (config/train.py says why these sizes)
+DEFAULT_CHUNK = HEAD_KERNEL_CHUNKS
 
 
 def _chunk_logp_entropy(h_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,

@@ -55,11 +55,10 @@ def out_of_memory_advice(cfg, rank: int, world_size: int, device_type: str, larg
     bytes it could not allocate and the allocator's fragmentation, not which of the run's settings to change.
     ``cfg``: the run's Config."""
     from streamrft.config.train import compile_layers_enabled, head_chunk_size, reshard_after_forward_enabled
-    from streamrft.learner.logprobs import DEFAULT_CHUNK
 
     t = cfg.train
     options = [f"train.micro_batch_tokens (now {t.micro_batch_tokens}; the peak's activations scale with it)"]
-    chunk = head_chunk_size(t) or DEFAULT_CHUNK[t.head_kernel]
+    chunk = head_chunk_size(t)
     if chunk > 1024:  # below, the head's GEMMs get small for what they save
         options.append(f"train.head_chunk_tokens={chunk // 2} (now {chunk}; the LM head's (tokens, vocabulary) "
                        "blocks, held beside every layer's activations when the backward starts)")
