@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Union
 
 from streamrft.config.base import Section
@@ -81,6 +82,21 @@ def head_chunk_size(cfg: TrainConfig) -> int | None:
     if cfg.head_chunk_tokens == "auto":
         return HEAD_KERNEL_CHUNKS.get(cfg.head_kernel)
     return int(cfg.head_chunk_tokens)
+
+
+@dataclass(frozen=True)
+class HeadSettings:
+    """The policy's LM-head settings, resolved once from train.* (``of``) and handed whole to the learner's
+    log-prob forward (``learner.logprobs.head_logprobs``): one value, so a strategy or the warm-up child cannot
+    pass one setting and forget another. The defaults are the plain head: eager, fused, the kernel's own chunk."""
+
+    compile_head: bool = False  # train.compile_head (still CUDA only: compile_head_enabled)
+    kernel: str = "fused"  # train.head_kernel
+    chunk_tokens: int | None = None  # train.head_chunk_tokens resolved (head_chunk_size); None: the kernel's own
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> "HeadSettings":
+        return cls(cfg.compile_head, cfg.head_kernel, head_chunk_size(cfg))
 
 
 def reshard_after_forward_enabled(cfg: TrainConfig, world_size: int) -> bool:

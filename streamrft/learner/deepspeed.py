@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from streamrft.config.train import head_chunk_size
+from streamrft.config.train import HeadSettings
 from streamrft.learner.base import LossFn
 from streamrft.learner.fsdp2 import _DTYPES, _apply_freeze_prefix, load_pretrained, move_batch, stats_out
-from streamrft.learner.logprobs import token_logprobs
+from streamrft.learner.logprobs import head_logprobs
 from streamrft.learner.lora import apply_lora, lora_scaling, merge_lora_named_tensors
 from streamrft.learner.optim import build_lr_scheduler, build_optimizer
 from streamrft.models.hub import resolve_model_dir
@@ -73,17 +73,13 @@ def _import_deepspeed(dist: DistInfo):
 class _LogprobModel(torch.nn.Module):
     """Holds the policy; forward = token_logprobs(policy, mb, ...), so ZeRO hooks wrap all of it."""
 
-    def __init__(self, policy: torch.nn.Module, compile_head: bool = False, head_kernel: str = "fused",
-                 head_chunk_tokens: int | None = None):
+    def __init__(self, policy: torch.nn.Module, head: HeadSettings = HeadSettings()):
         super().__init__()
         self.policy = policy
-        self.compile_head = compile_head
-        self.head_kernel = head_kernel
-        self.head_chunk_tokens = head_chunk_tokens  # train.head_chunk_tokens (None: the kernel's own)
+        self.head = head  # HeadSettings.of(train_cfg)
 
     def forward(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
-        return token_logprobs(self.policy, mb, temperature, with_entropy, self.head_chunk_tokens,
-                              compile_head=self.compile_head, head_kernel=self.head_kernel)
+        return head_logprobs(self.policy, mb, temperature, with_entropy, self.head)
 
 
 def ds_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
@@ -132,8 +128,7 @@ class DeepSpeedStrategy:
         model.config.use_cache = False
         model.train()
         self.module = model.to(self.device)  # the HF model: what engines and callers see
-        wrapper = _LogprobModel(self.module, train_cfg.compile_head, train_cfg.head_kernel,
-                                head_chunk_size(train_cfg))
+        wrapper = _LogprobModel(self.module, HeadSettings.of(train_cfg))
         if self.zero_stage == 3:
             head = self.module.get_output_embeddings()
             self.ds.zero.register_external_parameter(wrapper, head.weight)

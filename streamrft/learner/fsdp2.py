@@ -41,11 +41,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from streamrft.config.train import compile_layers_enabled, head_chunk_size, reshard_after_forward_enabled
+from streamrft.config.train import HeadSettings, compile_layers_enabled, reshard_after_forward_enabled
 from streamrft.learner.base import LossFn
 from streamrft.learner.compiling import compile_decoder_layers
 from streamrft.learner.memory import bucketed, move_module_and_optimizer
-from streamrft.learner.logprobs import head_positions, token_logprobs
+from streamrft.learner.logprobs import head_logprobs, head_positions
 from streamrft.learner.optim import build_lr_scheduler, build_optimizer
 from streamrft.learner.sharded_state import load_sharded_state, sharded_state
 from streamrft.models.hub import resolve_model_dir
@@ -57,9 +57,7 @@ if TYPE_CHECKING:
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOGPROB_METHOD = "streamrft_token_logprobs"  # the FSDP forward method added to the model instance
-COMPILE_HEAD_FLAG = "streamrft_compile_head"  # instance attribute: train.compile_head for that method
-HEAD_KERNEL_FLAG = "streamrft_head_kernel"  # instance attribute: train.head_kernel for that method
-HEAD_CHUNK_FLAG = "streamrft_head_chunk"  # instance attribute: train.head_chunk_tokens, resolved (None: the kernel's)
+HEAD_SETTINGS_ATTR = "streamrft_head"  # instance attribute: the HeadSettings that method runs the LM head with
 
 
 _MULTIMODAL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_audio": "Qwen2AudioForConditionalGeneration"}
@@ -81,11 +79,7 @@ def load_pretrained(path: str, model_cfg: ModelConfig, dtype: torch.dtype) -> to
 
 def _logprob_method(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
                     chunk_size: int | None = None):
-    if chunk_size is None:
-        chunk_size = self.__dict__.get(HEAD_CHUNK_FLAG)
-    return token_logprobs(self, mb, temperature, with_entropy, chunk_size,
-                          compile_head=self.__dict__.get(COMPILE_HEAD_FLAG, False),
-                          head_kernel=self.__dict__.get(HEAD_KERNEL_FLAG, "fused"))
+    return head_logprobs(self, mb, temperature, with_entropy, self.__dict__[HEAD_SETTINGS_ATTR], chunk_size)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -113,15 +107,15 @@ def media_encoder_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dtype | None,
-                compile_head: bool = False, head_kernel: str = "fused", compile_layers: bool = False,
+                head: HeadSettings = HeadSettings(), compile_layers: bool = False,
                 deterministic: bool = False, activation_memory_budget: float = 1.0,
-                reshard_after_forward: bool = True, head_chunk_tokens: int | None = None) -> torch.nn.Module:
+                reshard_after_forward: bool = True) -> torch.nn.Module:
     """fully_shard each vision block and the merger (VL models), each decoder layer, then the root; register
     the log-prob forward method. In place. ``compile_layers`` (train.compile_layers): the language decoder
     layers' forwards run compiled (learner/compiling.py), FSDP2's hooks around them stay eager.
     ``reshard_after_forward=False``: the units keep their gathered weights after forward and backward
-    (``FSDP2Strategy`` reshards them at the optimizer step). ``head_chunk_tokens``: the LM head's chunk
-    (train.head_chunk_tokens; None: the head kernel's own)."""
+    (``FSDP2Strategy`` reshards them at the optimizer step). ``head``: how the log-prob method runs the LM head
+    (``HeadSettings.of(train_cfg)``; the default is the plain head, as the frozen reference model runs it)."""
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if compute_dtype is not None and compute_dtype != torch.float32:
@@ -135,9 +129,7 @@ def shard_model(model: torch.nn.Module, dist: DistInfo, compute_dtype: torch.dty
         for m in fsdp_modules(model):
             m.set_reshard_after_backward(False)
     model.__dict__[LOGPROB_METHOD] = types.MethodType(_logprob_method, model)
-    model.__dict__[COMPILE_HEAD_FLAG] = compile_head
-    model.__dict__[HEAD_KERNEL_FLAG] = head_kernel
-    model.__dict__[HEAD_CHUNK_FLAG] = head_chunk_tokens
+    model.__dict__[HEAD_SETTINGS_ATTR] = head
     register_fsdp_forward_method(model, LOGPROB_METHOD)
     return model
 
@@ -247,10 +239,10 @@ class FSDP2Strategy:
         model.train()  # HF gradient checkpointing is active only in train mode
         # train.reshard_after_forward=false: weights gathered once per optimizer step (release_gathered_weights)
         self.reshard_after_forward = reshard_after_forward_enabled(train_cfg, dist.world_size)
-        self.module = shard_model(model, dist, self.compute_dtype, train_cfg.compile_head, train_cfg.head_kernel,
+        self.module = shard_model(model, dist, self.compute_dtype, HeadSettings.of(train_cfg),
                                   compile_layers_enabled(train_cfg, dist.device.type),
                                   train_cfg.deterministic, train_cfg.activation_memory_budget,
-                                  self.reshard_after_forward, head_chunk_size(train_cfg)).to(self.device)
+                                  self.reshard_after_forward).to(self.device)
         for m in fsdp_modules(self.module):
             m.set_gradient_divide_factor(1.0)  # sum over ranks, see the module docstring
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from streamrft.config.train import HEAD_KERNEL_CHUNKS, HEAD_KERNELS, compile_head_enabled
+from streamrft.config.train import HEAD_KERNEL_CHUNKS, HEAD_KERNELS, HeadSettings, compile_head_enabled
 from streamrft.learner.compiling import CompiledOrEager
 from streamrft.learner.fused_head import fused_logp_entropy
 
@@ -182,6 +182,16 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
                                 mb["response_mask"], temperature, with_entropy, chunk_size, mb["position_ids"],
                                 compile_head=compile_head, head_kernel=head_kernel,
                                 positions_2N=mb.get("head_positions"))
+
+
+def head_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
+                  head: HeadSettings, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_logprobs`` with the learner's resolved head settings (``HeadSettings.of(train_cfg)``): the one
+    place a strategy's log-prob forward turns them into the head's arguments. ``chunk_size``: a caller's own
+    chunk for this call, over ``head.chunk_tokens``."""
+    return token_logprobs(model, mb, temperature, with_entropy,
+                          chunk_size if chunk_size is not None else head.chunk_tokens,
+                          compile_head=head.compile_head, head_kernel=head.kernel)
 
 
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "input_features")

@@ -350,6 +350,7 @@ def test_fused_adamw_takes_the_same_steps_as_the_default_up_to_rounding(dist, mo
 def test_head_chunk_tokens_sets_the_lm_heads_chunk_in_both_strategies_with_the_same_numbers(dist, model_dir,
                                                                                              monkeypatch):
     import streamrft.learner.logprobs as logprobs
+    from streamrft.config.train import HeadSettings
     from streamrft.learner.deepspeed import _LogprobModel
 
     chunks = []
@@ -378,5 +379,5 @@ def test_head_chunk_tokens_sets_the_lm_heads_chunk_in_both_strategies_with_the_s
     # DeepSpeed's forward module takes the same setting (its engine wraps this module)
     chunks.clear()
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    _LogprobModel(policy, head_chunk_tokens=5)(mbs[0], T, False)
+    _LogprobModel(policy, HeadSettings(chunk_tokens=5))(mbs[0], T, False)
     assert chunks == [5]
