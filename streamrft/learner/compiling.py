@@ -234,10 +234,29 @@ def layer_compiler(deterministic: bool, activation_memory_budget: float = 1.0) -
     recompute by FLOPs (elementwise ops and norms before matmuls): selective recompute without marking ops."""
     key = (deterministic, float(activation_memory_budget))
     if key not in _LAYER_COMPILERS:
-        options = {"deterministic": True} if deterministic else None
+        options = {**({"deterministic": True} if deterministic else {}), **shape_stable_inductor_options()}
         settings = {"activation_memory_budget": key[1]} if key[1] < 1.0 else {}
         _LAYER_COMPILERS[key] = new_layer_compiler(options=options, functorch_settings=settings)
     return _LAYER_COMPILERS[key]
+
+
+def shape_stable_inductor_options() -> dict:
+    """Inductor settings that keep the layer graph's kernel choices free of guards on the microbatch's size.
+
+    Why: with rows and tokens symbolic, Inductor's Triton scheduler fuses a norm's backward (the weight gradient
+    summed over tokens, the input gradient over features: a "mix-order" reduction) only when it judges the
+    microbatch large enough (rows x tokens x hidden >= 5 Mi elements, at least 4096 tokens and twice as many
+    tokens as features), and that judgement becomes a guard of the cached graph. A run's last, short microbatch (at 1.5B
+    and 8192 tokens: 51 of 10 rows, then one of 2) failed it and recompiled the layer graph inside the first
+    step, 4.8 s that the compile warm-up could not have spent for it (benchmarks/NOTES.md v24; on the H100:
+    ``1536*s1*s0 >= 5242880``). The non-strict mode fuses whenever the fusion is legal: the same kernels for
+    every full microbatch, a fused one for the short one (which the check judged slower there, on a microbatch
+    that is a small share of the step), and one graph for all sizes. Only set where this torch has it."""
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    return {}
 
 
 def new_layer_compiler(functorch_settings: dict | None = None, **compile_kwargs) -> CompiledOrEager:
