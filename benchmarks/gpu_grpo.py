@@ -173,6 +173,15 @@ def _has_files(folder: Path) -> bool:
     return folder.is_dir() and any(files for _, _, files in os.walk(folder))
 
 
+def drop_checkpoints(run_dir: Path) -> None:
+    """Remove a finished run's checkpoints (its result already holds what their saves cost). Why: the GPU machine's
+    disk is shared by the call's runs, and a 1.5B checkpoint with AdamW state is ~20 GiB: three of them left a
+    later run of the same warm machine without space at its save (benchmarks/NOTES.md v24)."""
+    from streamrft.checkpoint.layout import checkpoints_root
+
+    shutil.rmtree(checkpoints_root(run_dir), ignore_errors=True)
+
+
 def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placement: str = "colocated",
                   tag: str = "", overrides: list[str] | None = None, variant: str = "") -> dict:
     # as `streamrft train` (cli.py): the config, then the compile warm-up's child, then torch and the rest
@@ -683,6 +692,7 @@ def main() -> None:
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") if system == "async" else os.environ.copy()
         env[LAUNCH_ENV] = repr(time.time())  # the worker's first-step breakdown starts here
         res = worker_result(cmd, out / f"res_{size}_{tag}.json", a.timeout, env)
+        drop_checkpoints(out / f"run_{size}_{tag}")
         res.setdefault("system", tag)
         res.setdefault("size", size)
         res.setdefault("variant", job["variant"])
