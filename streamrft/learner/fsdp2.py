@@ -77,9 +77,8 @@ def load_pretrained(path: str, model_cfg: ModelConfig, dtype: torch.dtype) -> to
     return cls.from_pretrained(path, dtype=dtype, attn_implementation=model_cfg.attn_implementation)
 
 
-def _logprob_method(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
-                    chunk_size: int | None = None):
-    return head_logprobs(self, mb, temperature, with_entropy, self.__dict__[HEAD_SETTINGS_ATTR], chunk_size)
+def _logprob_method(self, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool):
+    return head_logprobs(self, mb, temperature, with_entropy, self.__dict__[HEAD_SETTINGS_ATTR])
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -185,12 +185,10 @@ def token_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperat
 
 
 def head_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
-                  head: HeadSettings, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  head: HeadSettings) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``token_logprobs`` with the learner's resolved head settings (``HeadSettings.of(train_cfg)``): the one
-    place a strategy's log-prob forward turns them into the head's arguments. ``chunk_size``: a caller's own
-    chunk for this call, over ``head.chunk_tokens``."""
-    return token_logprobs(model, mb, temperature, with_entropy,
-                          chunk_size if chunk_size is not None else head.chunk_tokens,
+    place a strategy's log-prob forward turns them into the head's arguments."""
+    return token_logprobs(model, mb, temperature, with_entropy, head.chunk_tokens,
                           compile_head=head.compile_head, head_kernel=head.kernel)
 
 
