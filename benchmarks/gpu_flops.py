@@ -8,6 +8,8 @@ For a decoder with hidden H, layers Lyr, heads n_h (head dim d), KV heads n_kv, 
 
 Decode step of B rows at context c: bytes ≥ 2·(N_body + V·H) + Lyr·2·B·n_kv·c·d·2 (bf16 weights and KV read
 once), FLOPs = B·(2·N_body + 2·V·H + 4·n_h·d·Lyr·c); the floor is max(bytes / bandwidth, FLOPs / matmul rate).
+A ragged batch (``lengths``: each row's new tokens, the long-tailed workload) counts at each step only the rows
+still decoding: row i's first token comes from the prefill and its last from decode step lengths[i] − 1.
 """
 
 from __future__ import annotations
@@ -24,16 +26,37 @@ def shape_of(cfg) -> dict[str, int]:
     return dict(H=H, L=cfg.num_hidden_layers, n_h=n_h, n_kv=n_kv, d=d, V=cfg.vocab_size, body=body)
 
 
-def rollout_floor_s(s: dict, B: int, Lp: int, N: int, bw: float, rate: float) -> tuple[float, float]:
-    """(prefill floor, decode floor) in seconds for B rows, prompt Lp, N new tokens."""
+def rows_decoding(B: int, N: int, lengths: list[int] | None = None) -> list[int]:
+    """Rows that produce a token at each position 0 .. max length − 1 (position 0: the prefill's token): B at every
+    one of N positions, or, for a ragged batch, the rows whose length is above the position."""
+    if lengths is None:
+        return [B] * N
+    if len(lengths) != B or min(lengths, default=1) < 1:
+        raise ValueError(f"lengths: {B} rows of at least one new token each, got {len(lengths)} rows, "
+                         f"shortest {min(lengths, default=None)}")
+    ending = [0] * (max(lengths) + 1)  # rows whose last token is at each position
+    for n in lengths:
+        ending[n - 1] += 1
+    active, out = B, []
+    for pos in range(max(lengths)):
+        out.append(active)
+        active -= ending[pos]
+    return out
+
+
+def rollout_floor_s(s: dict, B: int, Lp: int, N: int, bw: float, rate: float,
+                    lengths: list[int] | None = None) -> tuple[float, float]:
+    """(prefill floor, decode floor) in seconds for B rows, prompt Lp, N new tokens each (or ``lengths``)."""
     attn = 4 * s["n_h"] * s["d"] * s["L"]
     prefill = B * Lp * (2 * s["body"] + attn * Lp / 2) + B * 2 * s["V"] * s["H"]
     decode = 0.0
     weights = 2 * (s["body"] + s["V"] * s["H"])
-    for step in range(1, N):
+    for step, b in enumerate(rows_decoding(B, N, lengths)):
+        if step == 0:  # the prefill's token
+            continue
         c = Lp + step
-        kv = s["L"] * 2 * B * s["n_kv"] * c * s["d"] * 2
-        flops = B * (2 * s["body"] + 2 * s["V"] * s["H"] + attn * c)
+        kv = s["L"] * 2 * b * s["n_kv"] * c * s["d"] * 2
+        flops = b * (2 * s["body"] + 2 * s["V"] * s["H"] + attn * c)
         decode += max((weights + kv) / bw, flops / rate)
     return prefill / rate, decode
 
@@ -45,11 +68,12 @@ def train_flops(s: dict, B: int, Lp: int, N: int) -> float:
     return 3 * B * per_seq
 
 
-def rollout_flops(s: dict, B: int, Lp: int, N: int) -> float:
+def rollout_flops(s: dict, B: int, Lp: int, N: int, lengths: list[int] | None = None) -> float:
+    """FLOPs of a rollout: the prompts' prefill, then every token produced (N per row, or ``lengths``)."""
     attn = 4 * s["n_h"] * s["d"] * s["L"]
     total = B * Lp * (2 * s["body"] + attn * Lp / 2)
-    for step in range(N):
-        total += B * (2 * s["body"] + 2 * s["V"] * s["H"] + attn * (Lp + step))
+    for step, b in enumerate(rows_decoding(B, N, lengths)):
+        total += b * (2 * s["body"] + 2 * s["V"] * s["H"] + attn * (Lp + step))
     return total
 
 

@@ -103,10 +103,29 @@ def response_tokens(wl: dict, steps: int) -> float:
     """Response tokens per step: fixed, or the mean over the run's steps of the long-tailed lengths."""
     if wl["kind"] != "longtail":
         return wl["prompts"] * wl["samples"] * wl["new"]
+    return statistics.mean(sum(step_lengths(wl, s)) for s in range(steps))
+
+
+def steady_steps(n_steps: int) -> list[int]:
+    """The 0-based steps whose median is a run's steady step: not the first (warm-up) and not the last (it also
+    writes the final checkpoint), where there are enough."""
+    return list(range(1, n_steps - 1)) if n_steps >= 3 else (list(range(1, n_steps)) or list(range(n_steps)))
+
+
+def engine_only_lengths(wl: dict) -> list[int] | None:
+    """Each row's new tokens in the engine-only generate call (request seeds 0 .. B-1); None: every row wl["new"]."""
+    if wl["kind"] != "longtail":
+        return None
+    return [wl["shape"].length(i) for i in range(wl["prompts"] * wl["samples"])]
+
+
+def step_lengths(wl: dict, step: int) -> list[int] | None:
+    """Each row's new tokens in the GRPO rollout of a 0-based step (the same in every system); None: fixed."""
+    if wl["kind"] != "longtail":
+        return None
     from streamrft.config import Config
 
-    totals = [sum(wl["shape"].step_lengths(Config().seed, s, wl["prompts"], wl["samples"])) for s in range(steps)]
-    return statistics.mean(totals)
+    return wl["shape"].step_lengths(Config().seed, step, wl["prompts"], wl["samples"])
 
 
 def micro_batch_tokens(wl: dict, micro_batch: int) -> int:
@@ -314,7 +333,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
             got = await run.engine.generate_all(reqs)
             sync()
             engine_s = time.perf_counter() - t0
-            want = [wl["shape"].length(r.seed) if wl["kind"] == "longtail" else wl["new"] for r in reqs]
+            want = engine_only_lengths(wl) or [wl["new"]] * len(reqs)
             assert [len(g.response_ids) for g in got] == want
             return engine_s
         finally:
@@ -328,7 +347,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         compile_warmup.stop_compile_warmup()
     rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     # steady state: not the first step (warm-up) and not the last (it also writes the final checkpoint)
-    steady = rows[1:-1] if len(rows) >= 3 else (rows[1:] or rows)
+    steady = [rows[i] for i in steady_steps(len(rows))]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
     # rollout/train: the engine-only generate call after training is not a rollout (its decoder calls come last)
     n_roll = len(times["rollout"])
@@ -543,16 +562,17 @@ def report(results: dict, ceilings: dict, wls: dict, sizes: list[str]) -> str:
         wl = wls[size]
         B = wl["prompts"] * wl["samples"]
         lines.append(f"{size}: B={B} prompt={wl['prompt_len']} new={wl['new']}"
-                     + (f" (longtail: median {wl['median']}, capped at new; the floor assumes every row runs to the cap)"
+                     + (f" (longtail: median {wl['median']}, capped at new; the floor and the FLOPs count each row's "
+                        "own length: the engine-only call's for roofl%, the steady steps' for stepMFU%)"
                         if wl.get("kind") == "longtail" else ""))
         cfg_path = Path(results.get("_out", ".")) / f"model_{size}"
         try:
             s = shape_of(AutoConfig.from_pretrained(str(cfg_path)))
         except Exception:  # noqa: BLE001 - model not built (earlier failure)
             continue
-        pf, dec = rollout_floor_s(s, B, wl["prompt_len"], wl["new"], bw, rate)
+        pf, dec = rollout_floor_s(s, B, wl["prompt_len"], wl["new"], bw, rate, engine_only_lengths(wl))
         tf = train_flops(s, B, wl["prompt_len"], wl["new"])
-        rf = rollout_flops(s, B, wl["prompt_len"], wl["new"])
+        rf = rollout_flops(s, B, wl["prompt_len"], wl["new"], engine_only_lengths(wl))
         lines.append(f"{size}: rollout floor {pf + dec:.3f} s (prefill {pf:.3f} + decode {dec:.3f}); "
                      f"train {tf / 1e15:.2f} PFLOP, rollout {rf / 1e15:.2f} PFLOP")
         lines.append(head)
@@ -566,12 +586,17 @@ def report(results: dict, ceilings: dict, wls: dict, sizes: list[str]) -> str:
             # long-tailed responses: the FLOPs of the tokens this run trained (every row at the cap would
             # overstate them ~5x); fixed lengths: the formula, as in the earlier tables
             run_tf = (r.get("train_flops") or tf) if wl.get("kind") == "longtail" else tf
+            run_rf = rf if wl.get("kind") != "longtail" else statistics.median(
+                rollout_flops(s, B, wl["prompt_len"], wl["new"], step_lengths(wl, k)) for k in steady_steps(r["steps"]))
+            eng_s = r["engine_only_s"]  # NaN: the async placement's engine is another process (not timed alone)
+            timed = eng_s == eng_s and eng_s > 0
+            eng_cols = f"{eng_s:6.2f} {100 * (pf + dec) / eng_s:6.1f}" if timed else f"{'-':>6} {'-':>6}"
             lines.append(
                 f"{size:5} {system:22} {r['step_s']:7.2f} {r['rollout_s']:7.2f} {r['train_s']:7.2f} "
                 f"{r['rollout_tok_s']:10.0f} {r['trained_tok_s']:11.0f} {r['peak_gib']:8.1f} "
                 f"{r.get('peak_reserved_gib', 0.0):8.1f} {r['phase_switch_s']:8.3f} {r['weight_sync_s']:7.3f} "
-                f"{r['engine_only_s']:6.2f} {100 * (pf + dec) / r['engine_only_s']:6.1f} "
-                f"{100 * run_tf / (r['train_s'] * rate):7.1f} {100 * (run_tf + rf) / (r['step_s'] * rate):8.1f}")
+                f"{eng_cols} "
+                f"{100 * run_tf / (r['train_s'] * rate):7.1f} {100 * (run_tf + run_rf) / (r['step_s'] * rate):8.1f}")
         first = next((r for k, r in results.items() if k.startswith(f"{size}_streamrft") and "step_s" in r), {})
         a, b, c = first, results.get(f"{size}_trl", {}), results.get(f"{size}_async", {})
         if "step_s" in c and "step_s" in a:
