@@ -368,6 +368,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         "r2t_s": med("phase/rollout_to_train_seconds"), "t2r_s": med("phase/train_to_rollout_seconds"),
         "weight_sync_s": med("phase/weight_push_seconds"), "offload_s": med("phase/offload_seconds"),
         "reload_s": med("phase/reload_seconds"), "engine_only_s": engine_s,
+        "steady_steps": steady_steps(len(rows)),  # the 0-based steps of step_s (the long-tailed FLOPs' lengths)
         # over the GRPO steps (before v22 this included the engine-only call, whose 512 distinct prompts' prefill
         # and cache made the 1.5B peak: benchmarks/NOTES.md v22)
         "peak_gib": summary["steps_peak"][0] / 2**30 if cuda else 0.0,
@@ -531,6 +532,9 @@ def run_trl(size: str, wl: dict, out: Path, steps: int, lora: bool = False) -> d
         "system": "trl-lora" if lora else "trl", "size": size, "steps": len(step_times), "trainable_params": trainable, "step_s": step_s, "rollout_s": gen_s,
         "train_s": step_s - gen_s, "rollout_tok_s": tokens / gen_s, "trained_tok_s": tokens / step_s,
         "phase_switch_s": 0.0, "weight_sync_s": 0.0, "engine_only_s": gen_s,
+        # TRL's engine-only time is its steady generate time: the long-tailed floor takes those steps' lengths
+        "steady_steps": list(range(1, len(step_times))) or [0],
+        "engine_only_steps": list(range(1, len(gen_times))) or [0],
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         # what the caching allocator held at most (allocated + cached pools): the device memory really taken
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
@@ -586,11 +590,17 @@ def report(results: dict, ceilings: dict, wls: dict, sizes: list[str]) -> str:
             # long-tailed responses: the FLOPs of the tokens this run trained (every row at the cap would
             # overstate them ~5x); fixed lengths: the formula, as in the earlier tables
             run_tf = (r.get("train_flops") or tf) if wl.get("kind") == "longtail" else tf
-            run_rf = rf if wl.get("kind") != "longtail" else statistics.median(
-                rollout_flops(s, B, wl["prompt_len"], wl["new"], step_lengths(wl, k)) for k in steady_steps(r["steps"]))
+            run_rf, floor_s = rf, pf + dec
+            if wl.get("kind") == "longtail":  # each row's own length, in the steps the row's times are medians of
+                args = (s, B, wl["prompt_len"], wl["new"])
+                run_rf = statistics.median(rollout_flops(*args, step_lengths(wl, k))
+                                           for k in r.get("steady_steps", steady_steps(r["steps"])))
+                if r.get("engine_only_steps"):  # TRL: its engine-only time is its steady rollouts'
+                    floor_s = statistics.median(sum(rollout_floor_s(*args, bw, rate, step_lengths(wl, k)))
+                                                for k in r["engine_only_steps"])
             eng_s = r["engine_only_s"]  # NaN: the async placement's engine is another process (not timed alone)
             timed = eng_s == eng_s and eng_s > 0
-            eng_cols = f"{eng_s:6.2f} {100 * (pf + dec) / eng_s:6.1f}" if timed else f"{'-':>6} {'-':>6}"
+            eng_cols = f"{eng_s:6.2f} {100 * floor_s / eng_s:6.1f}" if timed else f"{'-':>6} {'-':>6}"
             lines.append(
                 f"{size:5} {system:22} {r['step_s']:7.2f} {r['rollout_s']:7.2f} {r['train_s']:7.2f} "
                 f"{r['rollout_tok_s']:10.0f} {r['trained_tok_s']:11.0f} {r['peak_gib']:8.1f} "

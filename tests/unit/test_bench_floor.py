@@ -4,6 +4,7 @@ engine-only call's real lengths and never the "every row to the cap" floor; the 
 not timed alone, shows "-" instead of NaN (benchmarks/NOTES.md v25 printed 191.3 % and nan)."""
 
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -79,13 +80,18 @@ def test_the_long_tailed_table_uses_real_lengths_and_shows_no_nan(tmp_path):
     pf_cap, dec_cap = rollout_floor_s(s, B, wl["prompt_len"], wl["new"], 4e12, 8e14)
     assert pf + dec < pf_cap + dec_cap  # the tiny lengths (median 4, cap 16) are mostly below the cap
     engine_s = 2 * (pf + dec)  # the engine-only call at half its real floor's speed: 50.0 %
+    # TRL's engine-only time is the median of its steady generate calls (steps 1 and 2): their own lengths' floor
+    trl_floor = statistics.median(sum(rollout_floor_s(s, B, wl["prompt_len"], wl["new"], 4e12, 8e14,
+                                                      step_lengths(wl, k))) for k in (1, 2))
+    trl = {**_result("trl", 4 * trl_floor), "steady_steps": [1, 2], "engine_only_steps": [1, 2]}
     results = {"_out": str(tmp_path), "tiny_streamrft": _result("streamrft", engine_s),
-               "tiny_async": _result("async", float("nan"))}
+               "tiny_async": _result("async", float("nan")), "tiny_trl": trl}
     table = report(results, {"copy_bytes_per_s": 4e12, "bf16_flops_per_s": 8e14}, {"tiny": wl}, ["tiny"])
     colocated = next(line for line in table.splitlines() if line.startswith("tiny  streamrft"))
     asynchronous = next(line for line in table.splitlines() if line.startswith("tiny  async"))
     assert colocated.split()[12] == "50.0"  # roofl%: the floor of the engine-only call's own lengths
     assert asynchronous.split()[11:13] == ["-", "-"] and "nan" not in asynchronous
+    assert next(line for line in table.splitlines() if line.startswith("tiny  trl")).split()[12] == "25.0"
     # stepMFU%: the trained FLOPs plus the rollout FLOPs of the steady step's own lengths (step 1 of 3)
     rf = rollout_flops(s, B, wl["prompt_len"], wl["new"], step_lengths(wl, 1))
     assert float(colocated.split()[14]) == pytest.approx(100 * (1e9 + rf) / (2.0 * 8e14), abs=0.06)
