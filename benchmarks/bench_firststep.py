@@ -130,15 +130,23 @@ COLUMNS = [
 
 
 def _warmup_parts(warm: dict) -> str:
-    """Where the compile warm-up child's time went: its imports, then each setting's compiles (summed, in the
-    order they first ran), e.g. " (imports 9.3, compile_layers 6.1, compile_head 2.9)"; "" without its log."""
+    """Where the compile warm-up child's time went: its imports, its CUDA context (``device``, where reported),
+    each setting's compiles (summed, in the order they first ran), then ``running``: its one forward and backward
+    outside those compiles (first kernel launches, their autotuning, the step itself), where reported. E.g.
+    " (imports 9.3, device 1.2, compile_layers 6.1, compile_head 2.9, running 3.0)"; "" without its log."""
     if "compile_log" not in warm:
         return ""
+    parts = [f"imports {warm.get('imports_s', 0):.1f}"]
+    if "device_s" in warm:
+        parts.append(f"device {warm['device_s']:.1f}")
     each: dict[str, float] = {}
     for key, seconds in warm["compile_log"]:
         name = key.removeprefix("train.")
         each[name] = each.get(name, 0.0) + seconds
-    return " (" + ", ".join([f"imports {warm.get('imports_s', 0):.1f}"] + [f"{k} {v:.1f}" for k, v in each.items()]) + ")"
+    parts += [f"{k} {v:.1f}" for k, v in each.items()]
+    if "seconds" in warm and "compile_seconds" in warm:
+        parts.append(f"running {warm['seconds'] - warm['compile_seconds']:.1f}")
+    return " (" + ", ".join(parts) + ")"
 
 
 def first_step_table(rows: list[dict]) -> str:
@@ -147,8 +155,8 @@ def first_step_table(rows: list[dict]) -> str:
              "the first rollout and train step; N: steady median; capture: CUDA-graph capture + Triton decode "
              "compile; compile1: torch.compile's share of the first step (layers, LM head); t2r1: the switch back "
              "to rollout that ends step 1; to_step1: launch to the end of the first train step; warm-up: the "
-             "compile warm-up child's outcome, its wall time from its start (its imports and each setting's graph "
-             "compiles), and how long compile1 waited for it; "
+             "compile warm-up child's outcome, its wall time from its start (its imports, CUDA context, each "
+             "setting's graph compiles and its step's running outside them), and how long compile1 waited for it; "
              "kernels: the engine kernel warm-up child's outcome and wall time)",
              f"{'size':6} {'run':22} {'cache':5} " + " ".join(f"{c:>9}" for c, _ in COLUMNS)
              + "  inductor hit/miss  warm-up  kernels"]

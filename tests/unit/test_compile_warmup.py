@@ -94,6 +94,9 @@ def test_the_child_compiles_the_layer_graph_that_the_full_learner_then_reads_fro
     assert result["compiles"] >= 1  # the layer graph (forward and backward: one Dynamo compile)
     keys = [key for key, _ in result["compile_log"]]  # each compile in order, named by its setting
     assert len(keys) == result["compiles"] and "train.compile_layers" in keys
+    # where its time went: every phase timed, and the compiles inside its one step
+    assert all(result[k] >= 0 for k in ("imports_s", "device_s", "model_s", "learner_s"))
+    assert 0 < result["compile_seconds"] <= result["seconds"] < result["wall_s"]
     assert json.loads(warm.result_path.read_text()) == {k: v for k, v in result.items() if k != "wall_s"}
     assert any((tmp_path / "cache" / "inductor").rglob("*")), "the child wrote nothing into compile_cache_dir"
     proc = subprocess.run([sys.executable, "-c", LEARNER, str(cfg_path)], cwd=REPO, capture_output=True, text=True,
