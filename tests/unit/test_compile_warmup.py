@@ -119,6 +119,38 @@ def test_a_failing_child_costs_one_warning_naming_the_rank_and_its_log(tmp_path,
         assert compile_warmup.wait_for_warmup() is result  # reported once; later compiles do not wait
 
 
+# A child that writes its result as run_child does (atomically), then takes its time to exit (its compile workers'
+# and CUDA context's shutdown: 1.7 s on this CPU), here 120 s.
+SLOW_EXIT = """
+import json, os, sys, time
+from pathlib import Path
+Path(sys.argv[2]).touch()  # the compiling marker
+time.sleep(0.5)
+tmp = Path(sys.argv[1] + ".tmp")
+tmp.write_text(json.dumps({"status": "ok", "seconds": 0.4, "compiles": 1}))
+os.replace(tmp, sys.argv[1])
+time.sleep(120)
+"""
+
+
+def test_the_learner_takes_the_result_when_it_is_written_not_when_the_child_has_exited(tmp_path):
+    result_path, log_path = tmp_path / "child.json", tmp_path / "child.log"
+    marker = compile_warmup.compiling_marker(result_path)
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_EXIT, str(result_path), str(marker)], start_new_session=True)
+    warm = compile_warmup.CompileWarmup(proc, result_path, log_path, rank=0)
+    try:
+        _until(marker.exists, "the child to start compiling", timeout_s=60)
+        t0 = time.monotonic()
+        result = warm.wait(timeout_s=60)
+        assert result["status"] == "ok" and result["compiles"] == 1, result
+        assert time.monotonic() - t0 < 30 and proc.poll() is None  # taken while the child still runs
+        assert warm.waited_s < 30 and result["wall_s"] < 30
+        assert warm.wait() is result  # reported once
+    finally:
+        warm.stop()  # the run's end: the child, still exiting, is killed and reaped
+    assert proc.returncode is not None
+
+
 def test_a_compiling_child_that_outlives_the_wait_is_killed_with_its_compile_workers(tmp_path, model_dir,
                                                                                        one_compile_thread):
     cfg = load_config(_config(tmp_path, model_dir))
