@@ -66,7 +66,8 @@ def main() -> int:
         tok = build_char_tokenizer(model_dir, "0123456789+-=abcdefghijklmnopq")
         build_tiny_qwen2(model_dir, tok, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                          intermediate_size=64, max_position_embeddings=64)
-        print(f"{'threads':>7} {'wait for the result s':>22} {'+ the exit s':>12} {'wait for the exit s':>20} {'ratio':>6}")
+        print(f"{'threads':>7} {'wait for the result s':>22} {'+ the exit s':>12} {'wait for the exit s':>20} "
+              f"{'ratio':>6}")
         for i, threads in enumerate(a.threads.split(",")):
             os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = threads
             waited, exit_s = one_wait(Path(tmp) / f"run{i}", model_dir)

@@ -107,10 +107,10 @@ class CompileWarmup(WarmupChild):
         return compiling_marker(self.result_path)
 
     def wait(self, timeout_s: float = WARMUP_TIMEOUT_S) -> dict:
-        """The child's result, reported once. A child that is compiling is waited for until it writes its result (at
-        most ``timeout_s``, then killed): its compile started before the learner's, so it ends first. A child that has not started
-        compiling yet (the learner got here first: a warm cache, a short first rollout) is killed, and the learner
-        compiles itself rather than wait for the child's imports."""
+        """The child's result, reported once. A child that is compiling is waited for until it writes its result
+        (at most ``timeout_s``, then killed): its compile started before the learner's, so it ends first. A child
+        that has not started compiling yet (the learner got here first: a warm cache, a short first rollout) is
+        killed, and the learner compiles itself rather than wait for the child's imports."""
         if self.result is not None:
             return self.result
         t0 = time.monotonic()
@@ -131,8 +131,9 @@ class CompileWarmup(WarmupChild):
     def _result_when_written(self, timeout_s: float) -> dict | None:
         """The child's result as soon as it is written (atomically, by ``run_child``), or once the child exits
         without one; None after ``timeout_s``. Not the child's exit: shutting down its compile workers and its CUDA
-        context took 1.7 s more on a CPU, time the learner's first step does not need to wait (the caches are
-        complete when the result is written). The child ends on its own; ``stop`` reaps it at the run's end."""
+        context took 1.6-2.2 s more on a CPU (benchmarks/warmup_exit.py), time the learner's first step does not
+        need to wait (the caches are complete when the result is written). The child ends on its own; ``stop``
+        reaps it at the run's end."""
         deadline = time.monotonic() + timeout_s
         while not self.result_path.exists() and self.proc.poll() is None:
             if time.monotonic() > deadline:
