@@ -574,9 +574,11 @@ def report(results: dict, ceilings: dict, wls: dict, sizes: list[str]) -> str:
             s = shape_of(AutoConfig.from_pretrained(str(cfg_path)))
         except Exception:  # noqa: BLE001 - model not built (earlier failure)
             continue
-        pf, dec = rollout_floor_s(s, B, wl["prompt_len"], wl["new"], bw, rate, engine_only_lengths(wl))
-        tf = train_flops(s, B, wl["prompt_len"], wl["new"])
-        rf = rollout_flops(s, B, wl["prompt_len"], wl["new"], engine_only_lengths(wl))
+        args = (s, B, wl["prompt_len"], wl["new"])  # the shape and the workload, for every count below
+        engine_lengths = engine_only_lengths(wl)
+        pf, dec = rollout_floor_s(*args, bw, rate, engine_lengths)
+        tf = train_flops(*args)
+        rf = rollout_flops(*args, engine_lengths)
         lines.append(f"{size}: rollout floor {pf + dec:.3f} s (prefill {pf:.3f} + decode {dec:.3f}); "
                      f"train {tf / 1e15:.2f} PFLOP, rollout {rf / 1e15:.2f} PFLOP")
         lines.append(head)
@@ -592,7 +594,6 @@ def report(results: dict, ceilings: dict, wls: dict, sizes: list[str]) -> str:
             run_tf = (r.get("train_flops") or tf) if wl.get("kind") == "longtail" else tf
             run_rf, floor_s = rf, pf + dec
             if wl.get("kind") == "longtail":  # each row's own length, in the steps the row's times are medians of
-                args = (s, B, wl["prompt_len"], wl["new"])
                 run_rf = statistics.median(rollout_flops(*args, step_lengths(wl, k))
                                            for k in r.get("steady_steps", steady_steps(r["steps"])))
                 if r.get("engine_only_steps"):  # TRL: its engine-only time is its steady rollouts'
