@@ -349,14 +349,68 @@ def warmup_batch_shape(cfg) -> tuple[int, int, int]:
     return prompt_len, response_len, rows
 
 
+class CompileWorkers:
+    """Inductor's compile workers (the subprocess pool that compiles Triton kernels in parallel), started by the child
+    right after it imports torch rather than at its first compile, where Inductor itself starts them.
+
+    Why: the pool takes seconds to become ready (its workers import torch: 3.2-3.5 s on this CPU, longer where imports
+    are slow, as on the H200 host: benchmarks/NOTES.md v25), and until it is ready Inductor compiles each Triton
+    kernel in the calling process, one at a time. Started before the child's other imports, its device and its
+    model, the pool is ready when the first graph's kernels are compiled. Inductor's own default decides whether
+    there is a pool at all (a Triton install, more than one compile thread: ``TORCHINDUCTOR_COMPILE_THREADS``, set
+    per child by ``_spawn``); CPU kernels compile in a thread pool and need none. ``force``: start the pool without
+    Triton (the test on a CPU, where Inductor would not)."""
+
+    def __init__(self, force: bool = False):
+        self.status = "not started"
+        self.started_s: float | None = None  # from the interpreter's start, when it was asked to start
+        self.ready_s: float | None = None  # and when the pool answered its first job
+        if os.environ.get("TORCH_WARM_POOL", "1") != "1":  # Inductor's own switch for starting the pool early
+            self.status = "not started: TORCH_WARM_POOL is not 1"
+            return
+        try:
+            from torch._inductor import async_compile
+            from torch.utils._triton import has_triton_package
+
+            if not (force or has_triton_package()):
+                self.status = "not used: no Triton (CPU kernels compile in a thread pool)"
+                return
+            if async_compile.get_compile_threads() <= 1:
+                self.status = "not used: one compile thread"
+                return
+            self.started_s = round(_since_interpreter_start(), 3)
+            async_compile.AsyncCompile.warm_pool()
+            async_compile.AsyncCompile.wakeup()  # the pool's workers start now, not at the first job
+        except (ImportError, AttributeError) as exc:  # another torch's internals: Inductor starts its pool itself
+            self.status = f"not started: {type(exc).__name__}: {exc}"
+            return
+        ready = getattr(async_compile.AsyncCompile, "_ready_future", None)  # the job whose answer says "ready"
+        if ready is None:
+            self.status = "started (its readiness is not observable in this torch)"
+            return
+        self.status = "started"
+        ready.add_done_callback(self._ready)
+
+    def _ready(self, future) -> None:
+        self.ready_s = round(_since_interpreter_start(), 3)
+
+    def report(self) -> dict:
+        """For the child's result: ``compile_pool`` (its status), ``compile_pool_started_s`` and
+        ``compile_pool_ready_s`` (None: not started, not ready)."""
+        return {"compile_pool": self.status, "compile_pool_started_s": self.started_s,
+                "compile_pool_ready_s": self.ready_s}
+
+
 def warm(cfg, device_type: str, compiling_path: Path) -> dict:
     """Compile what the learner's first train step compiles, on a one-layer copy (module docstring). The result
     says how its time went: ``imports_s`` (from the interpreter's start), ``device_s`` (finding the device and
     making its CUDA context), ``model_s`` (the one-layer copy), ``learner_s`` (process group, FSDP2 wrapping),
     ``seconds`` (the forward and backward: ``compile_seconds`` of compiles, the rest running them),
-    ``compile_log`` (each graph's compile in order: its setting's key and seconds)."""
+    ``compile_log`` (each graph's compile in order: its setting's key and seconds), ``compile_pool`` and
+    ``compile_pool_ready_s`` (Inductor's compile workers, started first: ``CompileWorkers``)."""
     import torch
 
+    workers = CompileWorkers()  # first: the pool gets ready while the child imports the rest and builds its model
     from streamrft.checkpoint import set_deterministic
     from streamrft.compile_cache import apply_compile_cache
     from streamrft.learner.actor import ActorUpdate
@@ -412,6 +466,7 @@ def warm(cfg, device_type: str, compiling_path: Path) -> dict:
         torch.cuda.synchronize()
     return {"status": "ok", "seconds": round(time.perf_counter() - t0, 3), "compiles": compiles_finished() - compiles0,
             "compile_seconds": round(compile_seconds(), 3), **{k: round(v, 3) for k, v in phases.items()},
+            **workers.report(),
             # each graph's compile in order, named by its setting: which one the learner's first step waits on
             "compile_log": [[key, round(s, 3)] for key, s in compile_log()[compiles0:]]}
 

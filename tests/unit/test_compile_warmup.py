@@ -6,6 +6,7 @@ killed, not waited for; the key resolves only where the learner compiles.
 
 On this CPU the layers compile with Inductor's C++ backend (train.compile_layers=true), one compile thread."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -97,6 +98,8 @@ def test_the_child_compiles_the_layer_graph_that_the_full_learner_then_reads_fro
     # where its time went: every phase timed, and the compiles inside its one step
     assert all(result[k] >= 0 for k in ("imports_s", "device_s", "model_s", "learner_s"))
     assert 0 < result["compile_seconds"] <= result["seconds"] < result["wall_s"]
+    # one compile thread (or no Triton, on a CPU): Inductor has no worker pool for the child to start early
+    assert result["compile_pool"].startswith("not used") and result["compile_pool_ready_s"] is None
     assert json.loads(warm.result_path.read_text()) == {k: v for k, v in result.items() if k != "wall_s"}
     assert any((tmp_path / "cache" / "inductor").rglob("*")), "the child wrote nothing into compile_cache_dir"
     proc = subprocess.run([sys.executable, "-c", LEARNER, str(cfg_path)], cwd=REPO, capture_output=True, text=True,
@@ -290,3 +293,41 @@ def test_the_device_probe_imports_no_torch_and_a_child_whose_torch_finds_no_gpu_
     result = compile_warmup.warm(cfg, "cuda", tmp_path / "marker")
     assert result["status"] == "skipped" and "finds no CUDA device" in result["reason"]
     assert not (tmp_path / "marker").exists()  # never reached the compile: the learner does not wait for it
+
+
+WORKERS = """
+import json, os, sys, time
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "2"
+from streamrft.learner.compile_warmup import CompileWorkers
+workers = CompileWorkers(force=sys.argv[1] == "force")
+if workers.status == "started":
+    from torch._inductor.async_compile import AsyncCompile
+    AsyncCompile.wait_pool_ready(timeout=120)
+    deadline = time.monotonic() + 30
+    while workers.ready_s is None and time.monotonic() < deadline:  # the callback runs just after the answer
+        time.sleep(0.01)
+print(json.dumps(workers.report()))
+"""
+
+
+@pytest.mark.parametrize("how", ["force", "as_inductor", "switched_off"])
+def test_the_child_starts_inductors_compile_workers_first_and_reports_when_they_are_ready(how):
+    """Inductor starts its compile workers at the first compile, and compiles Triton kernels in the calling process
+    until they are ready (seconds: they import torch); the child starts them before anything else. A real pool
+    here (``force``: this CPU's torch would not start one without Triton)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if how == "switched_off":
+        env["TORCH_WARM_POOL"] = "0"  # Inductor's own switch: the child honours it
+    out = subprocess.run([sys.executable, "-c", WORKERS, how], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    if how == "switched_off":
+        assert report == {"compile_pool": "not started: TORCH_WARM_POOL is not 1", "compile_pool_started_s": None,
+                          "compile_pool_ready_s": None}
+    elif how == "force" or importlib.util.find_spec("triton") is not None:
+        assert report["compile_pool"] == "started", report
+        assert 0 < report["compile_pool_started_s"] < report["compile_pool_ready_s"], report
+    else:
+        assert report == {"compile_pool": "not used: no Triton (CPU kernels compile in a thread pool)",
+                          "compile_pool_started_s": None, "compile_pool_ready_s": None}
