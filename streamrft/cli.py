@@ -6,6 +6,7 @@ Configs are parsed and validated before heavy imports (torch, transformers) happ
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import select
@@ -16,6 +17,12 @@ import sys
 def _train(args: argparse.Namespace) -> int:
     from streamrft.config import load_config, validate_config
 
+    # a rank that dies of a fatal signal (a native library's abort or segfault) prints every thread's Python stack
+    # to stderr first: otherwise torchrun reports only "exitcode -6" and the rank's log ends without a word
+    try:
+        faulthandler.enable(all_threads=True)
+    except (OSError, ValueError, RuntimeError):  # stderr has no file descriptor (captured in-process, or None)
+        pass
     cfg = load_config(args.config, args.overrides)
     world_size = _env_world_size()
     if not args.dry_run:

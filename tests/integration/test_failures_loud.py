@@ -4,6 +4,7 @@ a non-zero exit code, and the process gone within a bounded time (no hung thread
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -36,6 +37,9 @@ FUNCS = textwrap.dedent(
 
     def boom(response, reference):
         raise ValueError("boom")
+
+    def aborts_like_a_native_library(response, reference):  # a C extension's abort() inside the run
+        os.abort()
     """
 )
 
@@ -85,3 +89,17 @@ def test_item1_two_ranks_stop_together_when_only_one_rank_fails_its_samples(arit
     assert f"rank 1: {stop}ValueError('rank 1 cannot score') in sample s0-p" in out, out[-4000:]
     assert "step 1: failed 12 (reward: 12)" in out and "step 2" not in out
     assert time.monotonic() - started < 180
+
+
+def test_a_rank_killed_by_a_fatal_signal_prints_where_each_thread_was(arith_dir, tmp_path):
+    """A native library's abort (or segfault) ends a rank without a Python exception: `streamrft train` has Python's
+    faulthandler print every thread's stack first, so the log says where the run was, not only "exitcode -6"."""
+    (tmp_path / "fns.py").write_text(FUNCS)
+    source = f'reward.sources=[{{name: my_fn, type: custom, fn: "{tmp_path / "fns.py"}:aborts_like_a_native_library"}}]'
+    overrides = arith_overrides(arith_dir, tmp_path / "out", "data.eval_path=", source)
+    proc = subprocess.run([sys.executable, "-m", "streamrft.cli", "train", str(CONFIG), *overrides],
+                          env=env_one_thread(), cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -6, (proc.stdout + proc.stderr)[-4000:]  # SIGABRT
+    assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr[-4000:]
+    # the thread that called it, named by file, line and function
+    assert re.search(r'fns\.py", line \d+ in aborts_like_a_native_library', proc.stderr), proc.stderr[-4000:]
