@@ -132,10 +132,11 @@ COLUMNS = [
 def _warmup_parts(warm: dict) -> str:
     """Where the compile warm-up child's time went: its imports, its CUDA context (``device``, where reported),
     each setting's compiles (summed, in the order they first ran), then ``running``: its one forward and backward
-    outside those compiles (first kernel launches, their autotuning, the step itself), where reported, and when
-    Inductor's compile workers were ready (seconds from the child's start; compile_warmup.CompileWorkers). E.g.
-    " (imports 9.3, device 1.2, compile_layers 6.1, compile_head 2.9, running 3.0, workers ready at 8.4)"; ""
-    without its log."""
+    outside those compiles (first kernel launches, their autotuning, the step itself) and the backward's part of it
+    (after the last compile), where reported; then when it began compiling and when Inductor's compile workers
+    were ready (seconds from the child's start; compile_warmup.CompileWorkers). E.g. " (imports 9.3, device 1.2,
+    compile_layers 6.1, compile_head 2.9, running 3.0 of which backward 1.1, compiling at 12.4, workers ready at
+    8.4)"; "" without its log."""
     if "compile_log" not in warm:
         return ""
     parts = [f"imports {warm.get('imports_s', 0):.1f}"]
@@ -147,8 +148,13 @@ def _warmup_parts(warm: dict) -> str:
         each[name] = each.get(name, 0.0) + seconds
     parts += [f"{k} {v:.1f}" for k, v in each.items()]
     if "seconds" in warm and "compile_seconds" in warm:
-        parts.append(f"running {warm['seconds'] - warm['compile_seconds']:.1f}")
-    if warm.get("compile_pool_ready_s") is not None:  # a point in time from the child's start, not a part
+        running = f"running {warm['seconds'] - warm['compile_seconds']:.1f}"
+        if "backward_s" in warm:  # the part of it after the last compile
+            running += f" of which backward {warm['backward_s']:.1f}"
+        parts.append(running)
+    if "compiling_at_s" in warm:  # points in time from the child's start, not parts
+        parts.append(f"compiling at {warm['compiling_at_s']:.1f}")
+    if warm.get("compile_pool_ready_s") is not None:
         parts.append(f"workers ready at {warm['compile_pool_ready_s']:.1f}")
     return " (" + ", ".join(parts) + ")"
 

@@ -406,8 +406,10 @@ def warm(cfg, device_type: str, compiling_path: Path) -> dict:
     says how its time went: ``imports_s`` (from the interpreter's start), ``device_s`` (finding the device and
     making its CUDA context), ``model_s`` (the one-layer copy), ``learner_s`` (process group, FSDP2 wrapping),
     ``seconds`` (the forward and backward: ``compile_seconds`` of compiles, the rest running them),
-    ``compile_log`` (each graph's compile in order: its setting's key and seconds), ``compile_pool`` and
-    ``compile_pool_ready_s`` (Inductor's compile workers, started first: ``CompileWorkers``)."""
+    ``compile_log`` (each graph's compile in order: its setting's key and seconds), ``forward_s`` and ``backward_s``
+    (the microbatch's forward with every compile, and its backward after them), ``compiling_at_s`` (when it began
+    compiling, from the interpreter's start) and ``compile_pool``, ``compile_pool_started_s``, ``compile_pool_ready_s``
+    (Inductor's compile workers, started first: ``CompileWorkers``)."""
     import torch
 
     workers = CompileWorkers()  # first: the pool gets ready while the child imports the rest and builds its model
@@ -452,13 +454,29 @@ def warm(cfg, device_type: str, compiling_path: Path) -> dict:
     vocab = model.config.get_text_config().vocab_size
     batch = synthetic_batch(rows, prompt_len, response_len, vocab, rows, cfg.seed)
     Path(compiling_path).touch()  # from here the run's first compile waits for this one (CompileWarmup.wait)
+    phases["compiling_at_s"] = _since_interpreter_start()  # beside compile_pool_ready_s: was the pool ready by then
     t0, compiles0 = time.perf_counter(), compiles_finished()
     # one microbatch's forward and backward as ActorUpdate.train_step runs it (its graphs: the layer's and the LM
     # head's), without the optimizer step: nothing of AdamW compiles, and its moments would only take memory
     mb = actor._microbatches(batch)[0]
     n_tokens = float(mb["response_mask"].sum())
-    strategy.forward_backward(mb, actor._loss_fn(n_tokens, float(rows), record=mb), actor.temperature,
-                              with_entropy=True, stats_on_device=True)
+    loss_fn = actor._loss_fn(n_tokens, float(rows), record=mb)
+    forward_done: list[float] = []
+
+    def loss_then_time(mb, logp, entropy):
+        # the forward's end: every graph has compiled by now (their backward too: compiling.py lowers it with the
+        # forward), so forward_s and backward_s say how much of the child's step comes after its last compile
+        out = loss_fn(mb, logp, entropy)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        forward_done.append(time.perf_counter())
+        return out
+
+    strategy.forward_backward(mb, loss_then_time, actor.temperature, with_entropy=True, stats_on_device=True)
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    phases["forward_s"] = forward_done[0] - t0
+    phases["backward_s"] = time.perf_counter() - forward_done[0]
     n_updates = cfg.train.ppo_epochs * cfg.train.mini_batches_per_step
     if no_grad_pass or n_updates > 1:  # the old log-probs' pass: a forward-only graph of its own
         strategy.compute_logprobs(mb, actor.temperature)
