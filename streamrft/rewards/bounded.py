@@ -8,9 +8,11 @@ so even shutdown hangs. Here each source owns ``max_workers`` threads of its own
 
 * a hung call ties up only its source's threads; later calls of that source queue behind it and fail
   at their own deadline (the caller's ``asyncio.timeout``), the rest of the run keeps going;
-* the threads are daemons and :meth:`close` never joins them, so a process with a call stuck in user
-  code still exits (``concurrent.futures.ThreadPoolExecutor`` cannot do this: its threads are joined at
-  interpreter exit whatever ``shutdown(wait=False)`` says);
+* the threads are daemons and :meth:`close` never joins one inside a call, so a process with a call stuck in
+  user code still exits (``concurrent.futures.ThreadPoolExecutor`` cannot do this: its threads are joined at
+  interpreter exit whatever ``shutdown(wait=False)`` says); the idle ones it joins, briefly (``CLOSE_JOIN_S``),
+  so they have ended before the interpreter's teardown rather than waking into it (a probe of a three-rank run
+  saw nine of them still ending at exit);
 * a call whose caller gave up before a thread took it is skipped, not run late.
 """
 
@@ -19,7 +21,11 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from typing import Any, Callable
+
+
+CLOSE_JOIN_S = 2.0  # close() waits at most this long, in all, for its idle threads to end
 
 
 class BoundedExecutor:
@@ -33,6 +39,7 @@ class BoundedExecutor:
         self.running = 0  # calls inside user code now (a hung call stays counted)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._busy: set[threading.Thread] = set()  # the threads inside a call now (close does not wait for them)
         self._idle = 0  # threads waiting for a job
         self._pending = 0  # jobs queued, not yet taken by a thread
         self._lock = threading.Lock()
@@ -66,6 +73,7 @@ class BoundedExecutor:
             with self._lock:
                 self._idle -= 1
                 self.running += 1
+                self._busy.add(threading.current_thread())
             try:
                 result, error = fn(*args, **kwargs), None
             except BaseException as exc:  # handed to the awaiting caller, which reports it per sample
@@ -74,19 +82,25 @@ class BoundedExecutor:
                 with self._lock:
                     self._idle += 1
                     self.running -= 1
+                    self._busy.discard(threading.current_thread())
             try:
                 loop.call_soon_threadsafe(_settle, future, result, error)
             except RuntimeError:  # the loop is closed: nobody waits for this result any more
                 pass
 
     def close(self) -> None:
-        """Stop the idle threads; never waits for a call still running in user code (it is abandoned,
-        and its daemon thread does not keep the process alive)."""
+        """Stop the threads: the idle ones end now (joined, at most ``CLOSE_JOIN_S`` in all); one still inside a call
+        is never waited for (the call is abandoned, and its daemon thread does not keep the process alive)."""
         if self._closed:
             return
         self._closed = True
         for _ in self._threads:
             self._jobs.put(None)
+        with self._lock:
+            idle = [t for t in self._threads if t not in self._busy and t is not threading.current_thread()]
+        deadline = time.monotonic() + CLOSE_JOIN_S
+        for thread in idle:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

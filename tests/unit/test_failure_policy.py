@@ -281,6 +281,40 @@ def test_item2_a_call_that_timed_out_while_queued_never_runs():
     assert ran == []
 
 
+def test_close_ends_the_idle_threads_before_it_returns_and_abandons_a_hung_one():
+    """Idle threads end inside close() (not later, racing the interpreter's teardown at exit); a thread stuck in a
+    call is not waited for."""
+    executor = BoundedExecutor("t", 3)
+    gate, started = threading.Event(), threading.Event()
+
+    def hang():
+        started.set()
+        gate.wait()
+
+    async def go():
+        hung = asyncio.ensure_future(executor.run(hang))
+        await asyncio.to_thread(started.wait, 5)  # the hung call holds one thread
+        # two calls at once while it hangs: the pool grows to its bound of three threads
+        assert await asyncio.gather(executor.run(lambda: 1), executor.run(lambda: 2)) == [1, 2]
+        return hung
+
+    loop = asyncio.new_event_loop()
+    try:
+        hung = loop.run_until_complete(go())
+        assert len(executor._threads) == 3 and executor.running == 1
+        began = time.monotonic()
+        executor.close()
+        took = time.monotonic() - began
+        alive = [t for t in executor._threads if t.is_alive()]
+        assert len(alive) == 1 and alive[0] in executor._busy  # only the hung one, abandoned
+        assert took < 1.0  # the idle threads ended at once; the hung one cost no wait
+        gate.set()
+        loop.run_until_complete(hung)
+    finally:
+        gate.set()
+        loop.close()
+
+
 def test_item2_a_process_with_a_reward_call_hung_forever_still_exits(funcs):
     """Before: asyncio.run joined the default executor's threads at exit, so this never ended."""
     script = textwrap.dedent(f"""
