@@ -134,14 +134,19 @@ def _warmup_parts(warm: dict) -> str:
     each setting's compiles (summed, in the order they first ran), then ``running``: its one forward and backward
     outside those compiles (first kernel launches, their autotuning, the step itself) and the backward's part of it
     (after the last compile), where reported; then when it began compiling and when Inductor's compile workers
-    were ready (seconds from the child's start; compile_warmup.CompileWorkers). E.g. " (imports 9.3, device 1.2,
-    compile_layers 6.1, compile_head 2.9, running 3.0 of which backward 1.1, compiling at 12.4, workers ready at
-    8.4)"; "" without its log."""
+    were ready (seconds from the child's start; compile_warmup.CompileWorkers). ``device`` is what was left of making
+    the CUDA context after the imports, where the child began it beside them ("context S beside the imports"). E.g.
+    " (imports 9.3, device 0.2, context 2.9 beside the imports, compile_layers 6.1, compile_head 2.9, running 3.0 of
+    which backward 1.1, compiling at 12.4, workers ready at 8.4)"; "" without its log."""
     if "compile_log" not in warm:
         return ""
     parts = [f"imports {warm.get('imports_s', 0):.1f}"]
     if "device_s" in warm:
         parts.append(f"device {warm['device_s']:.1f}")
+    if warm.get("cuda_preinit") == "ok":  # the CUDA context made beside the imports (streamrft/cuda_preinit.py)
+        parts.append(f"context {warm['cuda_preinit_s']:.1f} beside the imports")
+    elif "cuda_preinit" in warm:
+        parts.append("context not made beside the imports")
     each: dict[str, float] = {}
     for key, seconds in warm["compile_log"]:
         name = key.removeprefix("train.")

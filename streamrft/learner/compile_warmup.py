@@ -401,15 +401,17 @@ class CompileWorkers:
                 "compile_pool_ready_s": self.ready_s}
 
 
-def warm(cfg, device_type: str, compiling_path: Path) -> dict:
+def warm(cfg, device_type: str, compiling_path: Path, cuda_preinit=None) -> dict:
     """Compile what the learner's first train step compiles, on a one-layer copy (module docstring). The result
     says how its time went: ``imports_s`` (from the interpreter's start), ``device_s`` (finding the device and
     making its CUDA context), ``model_s`` (the one-layer copy), ``learner_s`` (process group, FSDP2 wrapping),
     ``seconds`` (the forward and backward: ``compile_seconds`` of compiles, the rest running them),
     ``compile_log`` (each graph's compile in order: its setting's key and seconds), ``forward_s`` and ``backward_s``
     (the microbatch's forward with every compile, and its backward after them), ``compiling_at_s`` (when it began
-    compiling, from the interpreter's start) and ``compile_pool``, ``compile_pool_started_s``, ``compile_pool_ready_s``
-    (Inductor's compile workers, started first: ``CompileWorkers``)."""
+    compiling, from the interpreter's start), ``compile_pool``, ``compile_pool_started_s``, ``compile_pool_ready_s``
+    (Inductor's compile workers, started first: ``CompileWorkers``) and, with ``cuda_preinit`` (the CUDA context
+    ``main`` began making at the child's start: streamrft/cuda_preinit.py), ``cuda_preinit`` and ``cuda_preinit_s``;
+    ``device_s`` then counts what remained of it after the imports."""
     import torch
 
     workers = CompileWorkers()  # first: the pool gets ready while the child imports the rest and builds its model
@@ -423,9 +425,12 @@ def warm(cfg, device_type: str, compiling_path: Path) -> dict:
 
     phases = {"imports_s": _since_interpreter_start()}  # the interpreter's start, the config, these imports
     t = time.perf_counter()
+    if cuda_preinit is not None:
+        cuda_preinit.wait()  # the driver serialises its calls anyway; waiting here keeps device_s its remainder
     if device_type == "cuda" and not torch.cuda.is_available():  # the parent's probe saw a driver; torch is the judge
         return {"status": "skipped", "reason": "this torch finds no CUDA device (probe_device_type saw an NVIDIA "
-                "driver); the learner compiles on whatever device it finds"}
+                "driver); the learner compiles on whatever device it finds",
+                **(cuda_preinit.report() if cuda_preinit is not None else {})}
     apply_compile_cache(cfg.compile_cache_dir)  # as compose.build_run, before anything compiles
     torch.manual_seed(cfg.seed)
     set_deterministic(cfg.train.deterministic)
@@ -484,7 +489,7 @@ def warm(cfg, device_type: str, compiling_path: Path) -> dict:
         torch.cuda.synchronize()
     return {"status": "ok", "seconds": round(time.perf_counter() - t0, 3), "compiles": compiles_finished() - compiles0,
             "compile_seconds": round(compile_seconds(), 3), **{k: round(v, 3) for k, v in phases.items()},
-            **workers.report(),
+            **workers.report(), **(cuda_preinit.report() if cuda_preinit is not None else {}),
             # each graph's compile in order, named by its setting: which one the learner's first step waits on
             "compile_log": [[key, round(s, 3)] for key, s in compile_log()[compiles0:]]}
 
@@ -519,7 +524,13 @@ def run_child(argv: list[str], work) -> int:
 
 
 def main(argv: list[str]) -> int:
-    return run_child(argv, lambda cfg, device_type, result_path: warm(cfg, device_type, compiling_marker(result_path)))
+    preinit = None
+    if len(argv) > 2 and argv[2] == "cuda":  # first, before the imports it runs beside (streamrft/cuda_preinit.py)
+        from streamrft.cuda_preinit import CudaPreinit
+
+        preinit = CudaPreinit(int(os.environ.get("LOCAL_RANK", "0")))
+    return run_child(argv, lambda cfg, device_type, result_path: warm(cfg, device_type, compiling_marker(result_path),
+                                                                      preinit))
 
 
 def _write_result(path: Path, result: dict) -> None:

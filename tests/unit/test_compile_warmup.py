@@ -15,6 +15,7 @@ import time
 import warnings
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import yaml
@@ -297,6 +298,17 @@ def test_the_device_probe_imports_no_torch_and_a_child_whose_torch_finds_no_gpu_
     result = compile_warmup.warm(cfg, "cuda", tmp_path / "marker")
     assert result["status"] == "skipped" and "finds no CUDA device" in result["reason"]
     assert not (tmp_path / "marker").exists()  # never reached the compile: the learner does not wait for it
+    # the real child, told "cuda": it begins the CUDA context first (streamrft/cuda_preinit.py), and says how that went
+    config_path, result_path = tmp_path / "child.config.json", tmp_path / "child.json"
+    config_path.write_bytes(msgspec.json.encode(cfg))
+    child = subprocess.run([sys.executable, "-m", "streamrft.learner.compile_warmup", str(config_path),
+                            str(result_path), "cuda"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = json.loads(result_path.read_text())
+    assert result["status"] == "skipped" and result["cuda_preinit_s"] is not None
+    # no driver library here, or one without a device (a GPU machine skipped above)
+    assert result["cuda_preinit"].startswith(("no CUDA driver: ", "cuInit returned CUresult ")), result
 
 
 WORKERS = """
