@@ -17,12 +17,6 @@ import sys
 def _train(args: argparse.Namespace) -> int:
     from streamrft.config import load_config, validate_config
 
-    # a rank that dies of a fatal signal (a native library's abort or segfault) prints every thread's Python stack
-    # to stderr first: otherwise torchrun reports only "exitcode -6" and the rank's log ends without a word
-    try:
-        faulthandler.enable(all_threads=True)
-    except (OSError, ValueError, RuntimeError):  # stderr has no file descriptor (captured in-process, or None)
-        pass
     cfg = load_config(args.config, args.overrides)
     world_size = _env_world_size()
     if not args.dry_run:
@@ -169,9 +163,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def enable_crash_stacks() -> None:
+    """A process that dies of a fatal signal (a native library's abort or segfault) prints every thread's Python
+    stack to stderr first: otherwise a training rank's log ends without a word and torchrun reports only
+    "exitcode -6" (a reward service's, an engine process's likewise)."""
+    try:
+        faulthandler.enable(all_threads=True)
+    except (OSError, ValueError, RuntimeError):  # stderr has no file descriptor (captured in-process, or None)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. A reader that closes the pipe early (``streamrft schema | head -1``) ends
     the command quietly with 141 (128 + SIGPIPE, what a shell reports for ``cat`` in that pipe)."""
+    enable_crash_stacks()
     try:
         try:
             return _run(sys.argv[1:] if argv is None else argv)

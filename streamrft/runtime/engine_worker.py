@@ -162,6 +162,9 @@ async def serve(cfg, spec: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from streamrft.cli import enable_crash_stacks
+
+    enable_crash_stacks()
     _die_with_parent()
     spec = json.loads(Path(argv[0]).read_text())
     from streamrft.config import Config
