@@ -5,7 +5,10 @@ warm-up child (learner/compile_warmup.py) pays this after its imports, on the co
 v25 measured 3.3 s of the child's time outside its other phases on the H200 host, and its imports took 11 s there
 (benchmarks/NOTES.md v25). The driver API needs no torch. Called through ctypes, which releases the GIL for the
 call, it runs beside the imports. The CUDA runtime that torch uses then finds the primary context already made:
-``cuDevicePrimaryCtxRetain`` is the same call the runtime makes, and the driver serialises the two.
+``cuDevicePrimaryCtxRetain`` is the same call the runtime makes, and the driver serialises the two. The driver
+reads ``CUDA_MODULE_LOADING`` once, at ``cuInit``, so it is set to LAZY first (unless set), as torch's own CUDA
+initialisation does before its first call: otherwise an older driver would load every kernel of every library
+into the context at once.
 
 Only a head start: if anything fails (no driver, a device that is not there), the thread records why and stops,
 and torch initialises CUDA itself, as it would have. No process waits on the thread (it is a daemon).
@@ -15,6 +18,7 @@ and torch initialises CUDA itself, as it would have. No process waits on the thr
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 
@@ -32,6 +36,7 @@ class CudaPreinit:
         self.status = "running"
         self.seconds: float | None = None
         self._context = ctypes.c_void_p()  # kept retained for the process's life: the runtime uses the same one
+        os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")  # before the thread: cuInit reads it (module docstring)
         self._thread = threading.Thread(target=self._run, name="streamrft-cuda-preinit", daemon=True)
         self._thread.start()
 

@@ -21,6 +21,10 @@ FAKE_DRIVER = r"""
 static int initialised = 0;
 
 int cuInit(unsigned int flags) {  /* as slow as a real driver's first call, in C: the caller's GIL is released */
+    const char *loading = getenv("CUDA_MODULE_LOADING");  /* a real driver reads it here, once */
+    FILE *log = fopen(getenv("FAKE_CUDA_LOG"), "a");
+    fprintf(log, "cuInit with CUDA_MODULE_LOADING=%s\n", loading ? loading : "(unset)");
+    fclose(log);
     usleep(atoi(getenv("FAKE_CUINIT_MS")) * 1000);
     if (flags != 0) return 1;
     initialised = 1;
@@ -62,15 +66,25 @@ def driver_env(monkeypatch, tmp_path):
     log = tmp_path / "calls.log"
     monkeypatch.setenv("FAKE_CUDA_LOG", str(log))
     monkeypatch.setenv("FAKE_CUINIT_MS", "300")
+    # unset, and restored after the test: CudaPreinit sets it in this process's environment
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "")
+    monkeypatch.delenv("CUDA_MODULE_LOADING")
     return log
 
 
-def test_the_context_of_the_ranks_device_is_made_in_the_background(fake_driver, driver_env):
+def test_the_context_of_the_ranks_device_is_made_in_the_background(fake_driver, driver_env, monkeypatch):
     preinit = CudaPreinit(1, library=str(fake_driver)).wait()
     assert preinit.status == "ok"
     assert preinit.seconds >= 0.3  # the stand-in's cuInit
-    assert driver_env.read_text() == "retained device 11\n"  # cuDeviceGet(1)'s device, retained
+    # lazy module loading, as torch asks for, set before cuInit read it; then cuDeviceGet(1)'s device, retained
+    assert driver_env.read_text() == "cuInit with CUDA_MODULE_LOADING=LAZY\nretained device 11\n"
     assert preinit.report() == {"cuda_preinit": "ok", "cuda_preinit_s": preinit.seconds}
+
+
+def test_a_module_loading_mode_the_user_set_is_kept(fake_driver, driver_env, monkeypatch):
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    assert CudaPreinit(0, library=str(fake_driver)).wait().status == "ok"
+    assert driver_env.read_text() == "cuInit with CUDA_MODULE_LOADING=EAGER\nretained device 10\n"
 
 
 def test_the_imports_go_on_while_the_driver_initialises(fake_driver, driver_env, monkeypatch):
@@ -92,5 +106,5 @@ def test_the_imports_go_on_while_the_driver_initialises(fake_driver, driver_env,
 def test_a_failure_is_recorded_and_left_to_torch(fake_driver, driver_env, ordinal, library, status):
     preinit = CudaPreinit(ordinal, library=str(fake_driver) if library == "fake" else library).wait()
     assert preinit.status.startswith(status), preinit.status
-    assert not driver_env.exists()  # nothing was retained
+    assert "retained" not in (driver_env.read_text() if driver_env.exists() else "")  # nothing was retained
     assert preinit.seconds is not None
