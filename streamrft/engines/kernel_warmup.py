@@ -85,8 +85,10 @@ def warm_decode_kernels(module, engine_cfg, device, first: int, multiprocessor_c
     return launches
 
 
-def warm(cfg, device_type: str, world_size: int) -> dict:
-    """The child's work: check that the run's engine launches Triton kernels, build the one-layer copy, warm."""
+def warm(cfg, device_type: str, world_size: int, cuda_preinit=None) -> dict:
+    """The child's work: check that the run's engine launches Triton kernels, build the one-layer copy, warm.
+    ``cuda_preinit``: the CUDA context its ``main`` began beside the imports (learner/compile_warmup.py
+    ``start_cuda_preinit``), waited for here and reported."""
     import importlib.util
 
     import torch
@@ -96,8 +98,10 @@ def warm(cfg, device_type: str, world_size: int) -> dict:
     from streamrft.learner.compile_warmup import _since_interpreter_start, one_layer_model
 
     phases = {"imports_s": _since_interpreter_start()}
+    preinit = cuda_preinit.wait().report() if cuda_preinit is not None else {}
     if device_type == "cuda" and not torch.cuda.is_available():
-        return {"status": "skipped", "reason": "this torch finds no CUDA device; the engine decodes on what it finds"}
+        return {"status": "skipped", "reason": "this torch finds no CUDA device; the engine decodes on what it finds",
+                **preinit}
     if importlib.util.find_spec("triton") is None:
         return {"status": "skipped", "reason": "the triton package is not installed (the engine decodes with the "
                 "torch ops: engine.decode_kernels=auto)"}
@@ -117,13 +121,15 @@ def warm(cfg, device_type: str, world_size: int) -> dict:
     t = time.perf_counter()
     launches = warm_decode_kernels(model, cfg.engine, device, likeliest_chunk(cfg, world_size))
     return {"status": "ok", "launches": launches, "seconds": round(time.perf_counter() - t, 3),
-            **{k: round(v, 3) for k, v in phases.items()}}
+            **{k: round(v, 3) for k, v in phases.items()}, **preinit}
 
 
 def main(argv: list[str]) -> int:
-    from streamrft.learner.compile_warmup import run_child
+    from streamrft.learner.compile_warmup import run_child, start_cuda_preinit
 
-    return run_child(argv, lambda cfg, device_type, _result_path, world_size: warm(cfg, device_type, int(world_size)))
+    preinit = start_cuda_preinit(argv)  # first: the CUDA context is made beside the imports
+    return run_child(argv, lambda cfg, device_type, _result_path, world_size: warm(cfg, device_type, int(world_size),
+                                                                                  preinit))
 
 
 if __name__ == "__main__":

@@ -523,12 +523,19 @@ def run_child(argv: list[str], work) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    preinit = None
-    if len(argv) > 2 and argv[2] == "cuda":  # first, before the imports it runs beside (streamrft/cuda_preinit.py)
-        from streamrft.cuda_preinit import CudaPreinit
+def start_cuda_preinit(argv: list[str]):
+    """A warm-up child told "cuda" (``_spawn``'s DEVICE_TYPE argument) begins its CUDA context now, on its rank's
+    device, beside the imports still to come (streamrft/cuda_preinit.py); None on a CPU. The first thing its
+    ``main`` does."""
+    if len(argv) < 3 or argv[2] != "cuda":
+        return None
+    from streamrft.cuda_preinit import CudaPreinit
 
-        preinit = CudaPreinit(int(os.environ.get("LOCAL_RANK", "0")))
+    return CudaPreinit(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def main(argv: list[str]) -> int:
+    preinit = start_cuda_preinit(argv)
     return run_child(argv, lambda cfg, device_type, result_path: warm(cfg, device_type, compiling_marker(result_path),
                                                                       preinit))
 

@@ -77,6 +77,9 @@ def test_a_real_child_starts_with_the_world_size_and_reports_once_when_the_run_e
     assert child.proc.wait(timeout=300) == 0
     compile_warmup.stop_compile_warmup()
     assert child.result["status"] == "skipped" and "finds no CUDA device" in child.result["reason"]
+    # told "cuda", it began its CUDA context first, beside its imports (streamrft/cuda_preinit.py): no driver here
+    assert child.result["cuda_preinit"].startswith(("no CUDA driver: ", "cuInit returned CUresult ")), child.result
+    assert child.result["cuda_preinit_s"] is not None
     assert capsys.readouterr().out.count("engine kernel warm-up") == 1
     assert compile_warmup.active_kernel_warmup() is None
     monkeypatch.setenv("LOCAL_RANK", "1")  # the node's cache is warmed once, from local rank 0
