@@ -85,11 +85,11 @@ def force_lengths(engine, shape: LongTail, eos_id: int) -> None:
     engine.generate = generate
 
 
-def engine_worker_main(argv: list[str]) -> int:
-    """An async engine process (``python -m longtail SPEC``): StreamRFT's engine worker, every engine it builds
+def engine_process_main(argv: list[str]) -> int:
+    """An async engine process (``python -m longtail SPEC``): StreamRFT's engine process, every engine it builds
     decoding the long-tailed lengths (``force_lengths``; the shape and EOS id from ``LONGTAIL_ENV``)."""
     import streamrft.engines as engines
-    from streamrft.runtime import engine_worker
+    from streamrft import engine_process
 
     spec = json.loads(os.environ[LONGTAIL_ENV])
     shape, eos_id, build = LongTail(**spec["shape"]), spec["eos_id"], engines.build_engine
@@ -99,9 +99,9 @@ def engine_worker_main(argv: list[str]) -> int:
         force_lengths(engine, shape, eos_id)
         return engine
 
-    engines.build_engine = build_forced  # engine_worker.serve imports it from streamrft.engines when it runs
-    return engine_worker.main(argv)
+    engines.build_engine = build_forced  # engine_process.build_engine_parts imports it from streamrft.engines when it runs
+    return engine_process.main(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(engine_worker_main(sys.argv[1:]))
+    sys.exit(engine_process_main(sys.argv[1:]))

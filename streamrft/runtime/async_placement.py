@@ -1,6 +1,6 @@
 """The learner side of ``rollout.placement=async``: engine processes generate while the learner trains.
 
-    learner rank 0 ──spawns──► engine process 0 … E-1   (streamrft/runtime/engine_worker.py)
+    learner rank 0 ──spawns──► engine process 0 … E-1   (streamrft/engine_process.py, runtime/engine_worker.py)
     engine e: Generator → RewardScorer → AdvantageStage → LearnerRouter ──tcp──► LearnerFeed of rank r
     learner rank 0 ──weights, by version (gloo group of rank 0 + engines)──► every engine process
 
@@ -70,7 +70,7 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
 
 class AsyncLearnerPipeline:
     # the module each engine process runs (python -m); benchmarks/longtail.py runs it with its lengths forced
-    worker_module = "streamrft.runtime.engine_worker"
+    worker_module = "streamrft.engine_process"
 
     def __init__(self, cfg, ctx: StageContext, dist, run_id: str | None = None):
         self.cfg, self.ctx, self.dist = cfg, ctx, dist

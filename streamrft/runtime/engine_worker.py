@@ -1,10 +1,9 @@
-"""An engine process of the async placement (``rollout.placement=async``).
+"""The runtime half of an engine process of the async placement (``rollout.placement=async``).
 
-    python -m streamrft.runtime.engine_worker SPEC.json
-
-Learner rank 0 starts ``rollout.engine_ranks`` of these (streamrft/runtime/async_placement.py). Each
-one holds its own copy of the policy (an ``hf`` engine over a private module) and runs the rollout
-half of the pipeline for its share of every step's prompts:
+The process itself is ``python -m streamrft.engine_process SPEC.json`` (streamrft/engine_process.py, the
+composition root of an engine process: it builds the engine, its policy copy, the dataset, the reward scorer and
+the teacher client). This module wires them into the rollout half of the pipeline for the process's share of every
+step's prompts, and keeps no model code of its own:
 
     Generator ─► RewardScorer ─► [TeacherFetcher] ─► AdvantageStage ─► LearnerRouter ─► learner feeds
 
@@ -13,29 +12,25 @@ once the engine holds weights of version ``>= k - rollout.max_staleness``. New v
 process group of their own (learner rank 0 + every engine process) in a background thread and are
 loaded between decode chunks, so rows in flight keep their tokens (each token records its version).
 
-It exits when learner rank 0 publishes the end of the run, and dies with its parent (PR_SET_PDEATHSIG),
-so a learner killed with SIGKILL leaves no engine behind.
+It ends when learner rank 0 publishes the end of the run; the process dies with its parent (PR_SET_PDEATHSIG,
+``die_with_parent``), so a learner killed with SIGKILL leaves no engine behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
-import json
 import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
+from typing import Any, Callable
 
-import msgspec
 import torch
 
-log = logging.getLogger("streamrft")
-
-
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: receive SIGKILL when the process that started this one dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -44,12 +39,20 @@ def _die_with_parent() -> None:
         pass
 
 
-async def serve(cfg, spec: dict) -> None:
-    from streamrft.data import PromptDataset
-    from streamrft.engines import build_engine
-    from streamrft.learner.fsdp2 import _DTYPES, load_pretrained
-    from streamrft.models.hub import resolve_model_dir
-    from streamrft.rewards.scorer import build_reward_scorer
+@dataclass
+class EngineParts:
+    """What the composition root builds for an engine process (streamrft/engine_process.py ``build_engine_parts``)."""
+
+    engine: Any  # a RolloutEngine over the process's own policy copy
+    tokenizer: Any
+    dataset: Any  # the PromptDataset of data.train_path
+    scorer: Any  # the RewardScorer of reward.sources
+    teacher: Any  # the teacher client, or None without a teacher
+
+
+async def serve(cfg, spec: dict, build_parts: Callable[[Any, dict], EngineParts]) -> None:
+    """Run engine process ``spec["engine_rank"]`` until the learner's end of the run: rendezvous, ``build_parts(cfg,
+    spec)`` (the engine, its policy copy and the rest, made after the rendezvous store is reached), then the stages."""
     from streamrft.runtime.accounting import Accounting
     from streamrft.runtime.advantage_stage import AdvantageStage
     from streamrft.runtime.channels import ChannelReceiver, ChannelSender, channel_address
@@ -59,8 +62,6 @@ async def serve(cfg, spec: dict) -> None:
     from streamrft.runtime.scoring import RewardScorerStage, TeacherFetcherStage
     from streamrft.runtime.stage import StageContext, StageError
     from streamrft.runtime.weight_sync import WeightSubscriber, new_weights_group
-    from streamrft.teacher.client import build_teacher_client
-    from transformers import AutoTokenizer
 
     import torch.distributed as dist
 
@@ -68,20 +69,8 @@ async def serve(cfg, spec: dict) -> None:
     r = cfg.rollout
     torch.manual_seed(cfg.seed)
     store = dist.TCPStore(spec["store_host"], spec["store_port"], is_master=False, timeout=timedelta(seconds=timeout_s))
-    device = torch.device(spec["device"])
-    if r.engine_memory_fraction:
-        if device.type != "cuda":
-            raise ValueError(f"rollout.engine_memory_fraction={r.engine_memory_fraction} needs a CUDA device; the "
-                             f"engine process runs on {device}: set it to 0")
-        torch.cuda.set_per_process_memory_fraction(r.engine_memory_fraction, device)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model.path, "model.path"))
-    module = load_pretrained(cfg.model.path, cfg.model, _DTYPES[cfg.model.dtype] if device.type == "cuda" else torch.float32)
-    module.to(device).eval()
-    engine = build_engine(cfg.engine, module, tokenizer, device, model_path=cfg.model.path, own_weights=True)
-    d = cfg.data
-    dataset = PromptDataset.from_config(d.train_path, d, written_keys=getattr(cfg, "_written", None))
-    scorer = build_reward_scorer(cfg.reward)
-    teacher = build_teacher_client(cfg.teacher, cfg.reward.timeout_s, cfg.reward.retries)
+    parts = build_parts(cfg, spec)
+    engine, tokenizer, dataset, scorer, teacher = parts.engine, parts.tokenizer, parts.dataset, parts.scorer, parts.teacher
     accounting = Accounting(rank=rank)
     ctx = StageContext(rank=rank, stage_timeout_s=timeout_s, accounting=accounting, fail_fast=cfg.fail_fast)
     gate = AdmissionGate(r.max_staleness, max_groups_in_flight(r.channel_capacity, r.n_samples_per_prompt,
@@ -160,25 +149,6 @@ async def serve(cfg, spec: dict) -> None:
             await teacher.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    from streamrft.cli import enable_crash_stacks
-
-    enable_crash_stacks()
-    _die_with_parent()
-    spec = json.loads(Path(argv[0]).read_text())
-    from streamrft.config import Config
-
-    cfg = msgspec.convert(spec["config"], Config)
-    logging.basicConfig(level=logging.WARNING, format=f"engine rank {spec['engine_rank']}: %(message)s")
-    try:
-        asyncio.run(serve(cfg, spec))
-    except Exception as exc:  # one line naming the engine rank; the learner sees the exit code
-        print(f"streamrft: engine rank {spec['engine_rank']}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        exit_now(1)
-    return 0
-
-
 def exit_now(code: int) -> None:
     """End a process of the weights group (a failed engine process; the weight-sync test's workers) with
     ``code``, without the interpreter's teardown. After a peer of the
@@ -190,7 +160,3 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -72,14 +72,14 @@ def test_the_async_engine_process_builds_engines_that_decode_the_long_tailed_len
 
     import longtail
     import streamrft.engines as engines
-    from streamrft.runtime import engine_worker
+    from streamrft import engine_process
 
     monkeypatch.setattr(engines, "build_engine", engines.build_engine)  # restored after the test
     monkeypatch.setenv(longtail.LONGTAIL_ENV, json.dumps({"shape": {"median": 4, "sigma": 1.0, "cap": 12},
                                                           "eos_id": EOS}))
     seen = {}
 
-    def worker_main(argv):  # what engine_worker.serve does with the engine it builds: generate
+    def worker_main(argv):  # what an engine process does with the engine it builds: generate
         from streamrft.engines import build_engine
 
         tokenizer = SimpleNamespace(eos_token_id=EOS, pad_token_id=0)
@@ -90,7 +90,7 @@ def test_the_async_engine_process_builds_engines_that_decode_the_long_tailed_len
         seen["argv"], seen["out"] = argv, asyncio.run(engine.generate_all(requests))
         return 0
 
-    monkeypatch.setattr(engine_worker, "main", worker_main)
-    assert longtail.engine_worker_main(["spec.json"]) == 0 and seen["argv"] == ["spec.json"]
+    monkeypatch.setattr(engine_process, "main", worker_main)
+    assert longtail.engine_process_main(["spec.json"]) == 0 and seen["argv"] == ["spec.json"]
     assert [len(s.response_ids) for s in seen["out"]] == SHAPE.step_lengths(0, 0, 3, 2)
     assert all(s.response_ids[-1] == EOS for s in seen["out"])
