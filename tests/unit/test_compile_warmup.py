@@ -101,7 +101,7 @@ def test_the_child_compiles_the_layer_graph_that_the_full_learner_then_reads_fro
     assert 0 < result["compile_seconds"] <= result["seconds"] < result["wall_s"]
     # every compile is in the forward (the backward is lowered with it): the backward after it compiles nothing
     assert result["compile_seconds"] <= result["forward_s"] and result["backward_s"] > 0
-    assert result["forward_s"] + result["backward_s"] <= result["seconds"]
+    assert result["forward_s"] + result["backward_s"] <= result["seconds"] + 0.002  # each rounded to 1 ms
     assert result["imports_s"] < result["compiling_at_s"] < result["wall_s"]
     # one compile thread (or no Triton, on a CPU): Inductor has no worker pool for the child to start early
     assert result["compile_pool"].startswith("not used") and result["compile_pool_ready_s"] is None
