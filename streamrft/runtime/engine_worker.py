@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+
 def die_with_parent() -> None:
     """Linux: receive SIGKILL when the process that started this one dies."""
     try:
