@@ -21,7 +21,7 @@ import torch
 from streamrft.learner.fsdp2 import FSDP2Strategy
 from streamrft.learner.microbatch import SequenceSample, make_microbatches, padding_microbatch
 from streamrft.runtime.distributed import (CollectiveError, all_reduce_max, all_reduce_sum, barrier,
-                                           init_distributed)
+                                           destroy_distributed, init_distributed)
 
 T = 0.8
 
@@ -102,6 +102,9 @@ def main(model_dir: str, out_dir: str, reshard: str = "auto") -> None:
                 f.write(message)
         sys.stdout.flush()
         os._exit(0)  # the group is unusable after a failed collective; skip its teardown
+    # the gloo group torn down before the interpreter's teardown: left to it, a rank sometimes aborted after its work
+    # was done ("terminate called without an active exception", exit -6: a clean-clone CI run, 2026-12-07)
+    destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def _deepspeed_stage(model_dir, out_dir, stage, dist):
 
 def worker(model_dir, out_dir, stages):
     from streamrft.learner.fsdp2 import FSDP2Strategy
-    from streamrft.runtime.distributed import init_distributed
+    from streamrft.runtime.distributed import destroy_distributed, init_distributed
     dist = init_distributed(timeout_s=60)
     rank, world = dist.rank, dist.world_size
     fsdp2 = FSDP2Strategy(*_configs(model_dir, "fsdp2", 3), dist, total_steps=10)
@@ -104,6 +104,7 @@ def worker(model_dir, out_dir, stages):
     if rank == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(result, f)
+    destroy_distributed()  # before the interpreter's teardown, which can abort a rank holding a live gloo group
 
 
 @pytest.fixture(scope="module")
