@@ -425,12 +425,11 @@ def warm(cfg, device_type: str, compiling_path: Path, cuda_preinit=None) -> dict
 
     phases = {"imports_s": _since_interpreter_start()}  # the interpreter's start, the config, these imports
     t = time.perf_counter()
-    if cuda_preinit is not None:
-        cuda_preinit.wait()  # the driver serialises its calls anyway; waiting here keeps device_s its remainder
+    # the driver serialises its calls anyway; waiting here keeps device_s its remainder
+    preinit = cuda_preinit.wait().report() if cuda_preinit is not None else {}
     if device_type == "cuda" and not torch.cuda.is_available():  # the parent's probe saw a driver; torch is the judge
         return {"status": "skipped", "reason": "this torch finds no CUDA device (probe_device_type saw an NVIDIA "
-                "driver); the learner compiles on whatever device it finds",
-                **(cuda_preinit.report() if cuda_preinit is not None else {})}
+                "driver); the learner compiles on whatever device it finds", **preinit}
     apply_compile_cache(cfg.compile_cache_dir)  # as compose.build_run, before anything compiles
     torch.manual_seed(cfg.seed)
     set_deterministic(cfg.train.deterministic)
@@ -489,7 +488,7 @@ def warm(cfg, device_type: str, compiling_path: Path, cuda_preinit=None) -> dict
         torch.cuda.synchronize()
     return {"status": "ok", "seconds": round(time.perf_counter() - t0, 3), "compiles": compiles_finished() - compiles0,
             "compile_seconds": round(compile_seconds(), 3), **{k: round(v, 3) for k, v in phases.items()},
-            **workers.report(), **(cuda_preinit.report() if cuda_preinit is not None else {}),
+            **workers.report(), **preinit,
             # each graph's compile in order, named by its setting: which one the learner's first step waits on
             "compile_log": [[key, round(s, 3)] for key, s in compile_log()[compiles0:]]}
 

@@ -36,7 +36,6 @@ class BoundedExecutor:
             raise ValueError(f"executor {name!r}: max_workers={max_workers} must be >= 1")
         self.name = name
         self.max_workers = max_workers
-        self.running = 0  # calls inside user code now (a hung call stays counted)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._busy: set[threading.Thread] = set()  # the threads inside a call now (close does not wait for them)
@@ -44,6 +43,11 @@ class BoundedExecutor:
         self._pending = 0  # jobs queued, not yet taken by a thread
         self._lock = threading.Lock()
         self._closed = False
+
+    @property
+    def running(self) -> int:
+        """Calls inside user code now (a hung call stays counted)."""
+        return len(self._busy)
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._closed:
@@ -72,7 +76,6 @@ class BoundedExecutor:
                 continue
             with self._lock:
                 self._idle -= 1
-                self.running += 1
                 self._busy.add(threading.current_thread())
             try:
                 result, error = fn(*args, **kwargs), None
@@ -81,7 +84,6 @@ class BoundedExecutor:
             finally:
                 with self._lock:
                     self._idle += 1
-                    self.running -= 1
                     self._busy.discard(threading.current_thread())
             try:
                 loop.call_soon_threadsafe(_settle, future, result, error)
