@@ -134,10 +134,11 @@ def _warmup_parts(warm: dict) -> str:
     each setting's compiles (summed, in the order they first ran), then ``running``: its one forward and backward
     outside those compiles (first kernel launches, their autotuning, the step itself) and the backward's part of it
     (after the last compile), where reported; then when it began compiling and when Inductor's compile workers
-    were ready (seconds from the child's start; compile_warmup.CompileWorkers). ``device`` is what was left of making
+    were started and ready (seconds from the child's start; compile_warmup.CompileWorkers). ``device`` is what was left of making
     the CUDA context after the imports, where the child began it beside them ("context S beside the imports"). E.g.
     " (imports 9.3, device 0.2, context 2.9 beside the imports, compile_layers 6.1, compile_head 2.9, running 3.0 of
-    which backward 1.1, compiling at 12.4, workers ready at 8.4)"; "" without its log."""
+    which backward 1.1, compiling at 12.4, workers started at 5.1, workers ready at 8.4)"; "" without its log. (When
+    the workers started says how long the child took to import torch and Inductor: they start right after.)"""
     if "compile_log" not in warm:
         return ""
     parts = [f"imports {warm.get('imports_s', 0):.1f}"]
@@ -159,6 +160,8 @@ def _warmup_parts(warm: dict) -> str:
         parts.append(running)
     if "compiling_at_s" in warm:  # points in time from the child's start, not parts
         parts.append(f"compiling at {warm['compiling_at_s']:.1f}")
+    if warm.get("compile_pool_started_s") is not None:  # its start, beside the imports still to come
+        parts.append(f"workers started at {warm['compile_pool_started_s']:.1f}")
     if warm.get("compile_pool_ready_s") is not None:
         parts.append(f"workers ready at {warm['compile_pool_ready_s']:.1f}")
     return " (" + ", ".join(parts) + ")"

@@ -59,6 +59,7 @@ def test_breakdown_from_marks_and_calls():
     timed = first_step_table([{"size": "0.5b", "system": "streamrft", "cache": "cold", "first_step": b,
                                "compile_warmup": {"status": "ok", "wall_s": 31.09, "waited_s": 11.24, "imports_s": 11.02,
                                                   "device_s": 3.14, "seconds": 16.6, "compile_seconds": 11.89,
+                                                  "compile_pool_started_s": 5.06,
                                                   "compile_pool_ready_s": 8.44, "backward_s": 1.06,
                                                   "compiling_at_s": 14.5, "cuda_preinit": "ok",
                                                   "cuda_preinit_s": 2.93,
@@ -67,7 +68,7 @@ def test_breakdown_from_marks_and_calls():
                                                                   ["train.compile_head", 1.0]]}}])
     assert timed.splitlines()[2].endswith(
         "ok 31.1s (imports 11.0, device 3.1, context 2.9 beside the imports, compile_layers 9.8, compile_head 2.1, running 4.7 of which backward 1.1, "
-        "compiling at 14.5, workers ready at 8.4), waited 11.2s  off")
+        "compiling at 14.5, workers started at 5.1, workers ready at 8.4), waited 11.2s  off")
 
 
 def test_stamps_time_functions_methods_and_constructors():
