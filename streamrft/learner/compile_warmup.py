@@ -42,6 +42,7 @@ from pathlib import Path
 WARMUP_TIMEOUT_S = 600.0  # the first compile waits at most this long for the child, then kills it and compiles itself
 LOG_TAIL_CHARS = 2000  # of the child's log, quoted in the warning when it failed
 RESULT_POLL_S = 0.05  # how often the first compile looks for the child's result while it waits
+WORKERS_FIRST_ENV = "STREAMRFT_COMPILE_WORKERS_FIRST"  # "0": the child leaves its compile workers' start to Inductor
 
 # Variables a launcher (torchrun) sets for a rank of a process group: the child is a one-process group of its own.
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -359,7 +360,12 @@ class CompileWorkers:
     model, the pool is ready when the first graph's kernels are compiled. Inductor's own default decides whether
     there is a pool at all (a Triton install, more than one compile thread: ``TORCHINDUCTOR_COMPILE_THREADS``, set
     per child by ``_spawn``); CPU kernels compile in a thread pool and need none. ``force``: start the pool without
-    Triton (the test on a CPU, where Inductor would not)."""
+    Triton (the test on a CPU, where Inductor would not).
+
+    ``STREAMRFT_COMPILE_WORKERS_FIRST=0`` leaves the start to Inductor, at the child's first compile, as before this
+    class. That is one arm of an A/B still to be measured: on an H100 host the early pool was ready 8.5 s after its
+    start, 3.6 s after the child began compiling, while the child's last imports ran beside it
+    (benchmarks/NOTES.md v27)."""
 
     def __init__(self, force: bool = False):
         self.status = "not started"
@@ -367,6 +373,9 @@ class CompileWorkers:
         self.ready_s: float | None = None  # and when the pool answered its first job
         if os.environ.get("TORCH_WARM_POOL", "1") != "1":  # Inductor's own switch for starting the pool early
             self.status = "not started: TORCH_WARM_POOL is not 1"
+            return
+        if os.environ.get(WORKERS_FIRST_ENV, "1") == "0":
+            self.status = f"left to Inductor ({WORKERS_FIRST_ENV}=0): started at the first compile"
             return
         try:
             from torch._inductor import async_compile

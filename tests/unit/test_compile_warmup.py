@@ -326,7 +326,7 @@ print(json.dumps(workers.report()))
 """
 
 
-@pytest.mark.parametrize("how", ["force", "as_inductor", "switched_off"])
+@pytest.mark.parametrize("how", ["force", "as_inductor", "switched_off", "left_to_inductor"])
 def test_the_child_starts_inductors_compile_workers_first_and_reports_when_they_are_ready(how):
     """Inductor starts its compile workers at the first compile, and compiles Triton kernels in the calling process
     until they are ready (seconds: they import torch); the child starts them before anything else. A real pool
@@ -334,6 +334,8 @@ def test_the_child_starts_inductors_compile_workers_first_and_reports_when_they_
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if how == "switched_off":
         env["TORCH_WARM_POOL"] = "0"  # Inductor's own switch: the child honours it
+    if how == "left_to_inductor":  # the A/B's other arm: Inductor starts them at the first compile, as it would
+        env["STREAMRFT_COMPILE_WORKERS_FIRST"] = "0"
     out = subprocess.run([sys.executable, "-c", WORKERS, how], capture_output=True, text=True, timeout=300, cwd=REPO,
                          env=env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -341,6 +343,9 @@ def test_the_child_starts_inductors_compile_workers_first_and_reports_when_they_
     if how == "switched_off":
         assert report == {"compile_pool": "not started: TORCH_WARM_POOL is not 1", "compile_pool_started_s": None,
                           "compile_pool_ready_s": None}
+    elif how == "left_to_inductor":  # before the Triton check: the same report on a GPU machine
+        assert report == {"compile_pool": "left to Inductor (STREAMRFT_COMPILE_WORKERS_FIRST=0): started at the "
+                          "first compile", "compile_pool_started_s": None, "compile_pool_ready_s": None}
     elif how == "force" or importlib.util.find_spec("triton") is not None:
         assert report["compile_pool"] == "started", report
         assert 0 < report["compile_pool_started_s"] < report["compile_pool_ready_s"], report
