@@ -134,8 +134,9 @@ def _warmup_parts(warm: dict) -> str:
     each setting's compiles (summed, in the order they first ran), then ``running``: its one forward and backward
     outside those compiles (first kernel launches, their autotuning, the step itself) and the backward's part of it
     (after the last compile), where reported; then when it began compiling and when Inductor's compile workers
-    were started and ready (seconds from the child's start; compile_warmup.CompileWorkers). ``device`` is what was left of making
-    the CUDA context after the imports, where the child began it beside them ("context S beside the imports"). E.g.
+    were started and ready (seconds from the child's start; compile_warmup.CompileWorkers). ``device`` is what was
+    left of making the CUDA context after the imports, where the child began it beside them ("context S beside the
+    imports"). E.g.
     " (imports 9.3, device 0.2, context 2.9 beside the imports, compile_layers 6.1, compile_head 2.9, running 3.0 of
     which backward 1.1, compiling at 12.4, workers started at 5.1, workers ready at 8.4)"; "" without its log. (When
     the workers started says how long the child took to import torch and Inductor: they start right after.)"""
