@@ -99,7 +99,8 @@ def engine_process_main(argv: list[str]) -> int:
         force_lengths(engine, shape, eos_id)
         return engine
 
-    engines.build_engine = build_forced  # engine_process.build_engine_parts imports it from streamrft.engines when it runs
+    # engine_process.build_engine_parts imports it from streamrft.engines when it runs
+    engines.build_engine = build_forced
     return engine_process.main(argv)
 
 

@@ -71,7 +71,8 @@ async def serve(cfg, spec: dict, build_parts: Callable[[Any, dict], EngineParts]
     torch.manual_seed(cfg.seed)
     store = dist.TCPStore(spec["store_host"], spec["store_port"], is_master=False, timeout=timedelta(seconds=timeout_s))
     parts = build_parts(cfg, spec)
-    engine, tokenizer, dataset, scorer, teacher = parts.engine, parts.tokenizer, parts.dataset, parts.scorer, parts.teacher
+    engine, tokenizer, dataset = parts.engine, parts.tokenizer, parts.dataset
+    scorer, teacher = parts.scorer, parts.teacher
     accounting = Accounting(rank=rank)
     ctx = StageContext(rank=rank, stage_timeout_s=timeout_s, accounting=accounting, fail_fast=cfg.fail_fast)
     gate = AdmissionGate(r.max_staleness, max_groups_in_flight(r.channel_capacity, r.n_samples_per_prompt,
