@@ -132,7 +132,35 @@ def test_a_tiny_run_reports_every_part_of_its_first_step(tmp_path):
     parts = fs["process_start_s"] + fs["imports_s"] + fs["validate_s"] + fs["build_run_s"] + fs["first_train_s"]
     assert fs["launch_to_first_step_s"] >= parts
     assert res["cache"] == "cold" and res["variant"] == "base" and res["steps"] == 2
+    assert "torch" not in res["imports_from_source"]  # this venv's pip install wrote torch's .pyc files
     table = (tmp_path / "rep" / "table.txt").read_text()
     assert "memory options (--variants)" in table and "first step, seconds" in table
     assert json.loads((tmp_path / "rep" / "results.json").read_text())["tiny_streamrft-base"]["system"] == \
         "streamrft-base"
+
+
+def test_imports_from_source_names_the_modules_without_byte_code(tmp_path, monkeypatch):
+    """A module imported without its .pyc (PYTHONDONTWRITEBYTECODE=1 over an install without byte code) is named;
+    once byte-compiled (python -m compileall), the same module imported again is not; and the table says so."""
+    import importlib
+    import py_compile
+
+    from bench_firststep import imports_from_source
+
+    (tmp_path / "probe_mod_v28.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    importlib.invalidate_caches()
+    try:
+        mod = importlib.import_module("probe_mod_v28")
+        assert imports_from_source([mod]) == ["probe_mod_v28"]
+        py_compile.compile(str(tmp_path / "probe_mod_v28.py"), cfile=mod.__spec__.cached, doraise=True)
+        del sys.modules["probe_mod_v28"]
+        assert imports_from_source([importlib.import_module("probe_mod_v28")]) == []
+    finally:
+        sys.modules.pop("probe_mod_v28", None)
+    b = breakdown({"main": 1.0, "config_loaded": 1.5, "imports_done": 2.0}, {"train": [3.0]}, {})
+    row = {"size": "0.5b", "system": "streamrft", "cache": "cold", "first_step": b}
+    assert "note:" not in first_step_table([row])
+    noted = first_step_table([{**row, "imports_from_source": ["torch", "transformers"]}]).splitlines()[-1]
+    assert noted.startswith("note: 0.5b streamrft compiled torch, transformers from source")
