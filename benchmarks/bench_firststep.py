@@ -11,7 +11,6 @@ kernels' compile, the LM head's torch.compile) are not in any metric. ``Stamps``
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -169,21 +168,6 @@ def _warmup_parts(warm: dict) -> str:
     return " (" + ", ".join(parts) + ")"
 
 
-def imports_from_source(modules) -> list[str]:
-    """The names of ``modules`` (imported module objects) that this interpreter compiled from their source: no
-    byte-code cache on disk where their spec says it would be. Why: an interpreter run with
-    ``PYTHONDONTWRITEBYTECODE=1`` over packages installed without their ``.pyc`` files compiles every module of torch,
-    Inductor and transformers again at each start, in every process of a run. On the GPU machine of
-    benchmarks/NOTES.md v28 that cost the compile warm-up child ~6 s of imports, all of it inside a cold first step,
-    which a normal install (pip writes the ``.pyc`` files) does not pay."""
-    names = []
-    for module in modules:
-        cached = getattr(getattr(module, "__spec__", None), "cached", None)
-        if cached and not os.path.exists(cached):
-            names.append(module.__name__)
-    return names
-
-
 def first_step_table(rows: list[dict]) -> str:
     """One line per StreamRFT run (``first_step`` and ``cache`` from the worker's result): seconds per part."""
     lines = ["first step, seconds (validate: the config check, which imports the learner's modules; roll1/train1: "
@@ -210,10 +194,9 @@ def first_step_table(rows: list[dict]) -> str:
                      f"{ind.get('fxgraph_cache_hit', 0)}/{ind.get('fxgraph_cache_miss', 0)}  {warm_cell}  "
                      f"{kernels_cell}")
     for r in rows:
-        if r.get("first_step") and r.get("imports_from_source"):
+        if r.get("first_step") and r.get("imports_from_source"):  # streamrft/bytecode.py: why it matters
             lines.append(f"note: {r['size']} {r['system']} compiled {', '.join(r['imports_from_source'])} from "
-                         "source (no .pyc where their specs look: PYTHONDONTWRITEBYTECODE=1 over an install without "
-                         "byte code), in each of its processes; its imports are slower than a normal install's. "
-                         "Byte-compile the packages once first: python -m compileall -q -j 16 SITE_PACKAGES "
-                         "(benchmarks/NOTES.md v28)")
+                         "source (no .pyc: PYTHONDONTWRITEBYTECODE=1 over an install without byte code), in each "
+                         "of its processes; its start is slower than a normal install's. Byte-compile the packages "
+                         "once first: python -m compileall -q -j 16 SITE_PACKAGES (benchmarks/NOTES.md v28)")
     return "\n".join(lines)

@@ -73,8 +73,6 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 # async on one GPU: the engine process's share of the device memory (weights, concatenated weights, static KV
 # cache, graphs: ~32 GiB at 1.5B); the learner takes the rest minus a margin. Both use expandable segments.
 ASYNC_ENGINE_SHARE = 0.3
-# modules whose byte code a run's result checks (imports_from_source): torch, its compiler stack, transformers
-IMPORT_PROBES = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "transformers", "triton")
 
 
 def workload(tiny: bool, kind: str = "fixed", size: str = "") -> dict:
@@ -206,7 +204,8 @@ def drop_checkpoints(run_dir: Path) -> None:
 def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placement: str = "colocated",
                   tag: str = "", overrides: list[str] | None = None, variant: str = "") -> dict:
     # as `streamrft train` (cli.py): the config, then the compile warm-up's child, then torch and the rest
-    from bench_firststep import LAUNCH_ENV, Stamps, breakdown, imports_from_source
+    from bench_firststep import LAUNCH_ENV, Stamps, breakdown
+    from streamrft.bytecode import imported_packages_from_source
     from streamrft.config import load_config, validate_config
     from streamrft.learner import compile_warmup
 
@@ -405,8 +404,7 @@ def run_streamrft(size: str, wl: dict, out: Path, steps: int, fast: bool, placem
         "kernel_warmup": kernels and kernels.result,
         "first_step": breakdown(stamps.marks, stamps.calls, rows[0] if rows else {}),
         # the packages this interpreter compiled from source at import (no .pyc): every process's imports pay it
-        "imports_from_source": imports_from_source(
-            [sys.modules[n] for n in IMPORT_PROBES if n in sys.modules]),
+        "imports_from_source": imported_packages_from_source(),
         "stamps": stamps.to_json(),
     }
 

@@ -38,8 +38,11 @@ def _train(args: argparse.Namespace) -> int:
         then = f"; it would resume from {resume}" if resume else ""
         print(f"streamrft: {args.config} is valid for world_size={world_size}{then}")
         return 0
+    from streamrft.bytecode import warn_if_imports_from_source
     from streamrft.compose import train
 
+    if _env_rank() == 0:  # the checks imported torch and transformers: say once if that compiled them from source
+        warn_if_imports_from_source()
     summary = train(cfg)
     if _env_rank() == 0:
         print("summary: " + json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in summary.items()}), flush=True)

@@ -363,9 +363,9 @@ class CompileWorkers:
     Triton (the test on a CPU, where Inductor would not).
 
     ``STREAMRFT_COMPILE_WORKERS_FIRST=0`` leaves the start to Inductor, at the child's first compile, as before this
-    class. That is one arm of an A/B still to be measured: on an H100 host the early pool was ready 8.5 s after its
-    start, 3.6 s after the child began compiling, while the child's last imports ran beside it
-    (benchmarks/NOTES.md v27)."""
+    class: the other arm of the A/B that keeps this the default. On one H100 (benchmarks/NOTES.md v28, cold compile
+    caches) the child ended 4.4-6.3 s earlier with the early start where every import compiled from source, and
+    1.4-1.8 s earlier with byte-compiled packages; the first train step ended 1.3-6.7 s earlier after launch."""
 
     def __init__(self, force: bool = False):
         self.status = "not started"

@@ -103,3 +103,19 @@ def test_sigterm_to_torchrun_stops_both_ranks_and_leaves_no_process(arith_dir, t
     # No orphan: nothing is left running with this run's output folder on its command line.
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert left == [], f"orphan processes {left}"
+
+
+def test_a_run_whose_imports_compile_from_source_says_so_once(arith_dir, tmp_path):
+    """PYTHONDONTWRITEBYTECODE=1 with no byte code where Python looks (here: an empty PYTHONPYCACHEPREFIX, as an
+    install without .pyc files): every process compiles torch and transformers at its start, which the run says once
+    with the command that fixes it (streamrft/bytecode.py), and it still trains."""
+    env = dict(env_one_thread(), PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(tmp_path / "no_pyc"))
+    proc = subprocess.run([sys.executable, "-m", "streamrft.cli", "train", str(CONFIG),
+                           *arith_overrides(arith_dir, tmp_path / "out")],
+                          env=env, timeout=300, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.count("compiled from source at import") == 1, proc.stderr[-3000:]
+    assert "torch" in proc.stderr.split("compiled from source at import")[0].splitlines()[-1]
+    assert "python -m compileall -q " in proc.stderr
+    assert len(steps_of(tmp_path / "out")) == 1
+    assert not (tmp_path / "no_pyc").exists()  # nothing was written: the setting held
