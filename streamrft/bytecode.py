@@ -36,18 +36,29 @@ def imported_packages_from_source() -> list[str]:
     return modules_from_source([sys.modules[name] for name in PACKAGES if name in sys.modules])
 
 
+def install_dirs(names: list[str]) -> list[str]:
+    """The directories that hold the top-level packages of the imported modules ``names`` (where ``compileall``
+    is to look), in order and without repeats."""
+    dirs = []
+    for name in names:
+        top = sys.modules.get(name.split(".")[0])
+        if getattr(top, "__file__", None):
+            where = os.path.dirname(os.path.dirname(top.__file__))  # .../site-packages/torch/__init__.py
+            if where not in dirs:
+                dirs.append(where)
+    return dirs or ["SITE_PACKAGES"]
+
+
 def warn_if_imports_from_source(names: list[str] | None = None) -> str | None:
     """One warning when the run's packages were compiled from source at import (``names``: the default is
     ``imported_packages_from_source()``); returns its text (None: nothing to say)."""
     names = imported_packages_from_source() if names is None else names
     if not names:
         return None
-    top = sys.modules.get(names[0].split(".")[0])
-    where = os.path.dirname(os.path.dirname(top.__file__)) if getattr(top, "__file__", None) else "SITE_PACKAGES"
-    text = (f"{', '.join(names)} compiled from source at import: there is no .pyc byte code beside them "
-            f"(PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r} over an install without "
-            f"byte code, or a read-only install), so every process of this run compiles them again at its start "
-            f"(8-15 s more to the first train step on an H100 host: benchmarks/NOTES.md v28). Byte-compile them "
-            f"once: python -m compileall -q {where}")
+    text = (f"{', '.join(names)} compiled from source at import: there is no .pyc byte code where Python looks "
+            f"for it (PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r} over an install "
+            f"without byte code, or a read-only install), so every process of this run compiles them again at its "
+            f"start (8-15 s more to the first train step on an H100 host: benchmarks/NOTES.md v28). Byte-compile "
+            f"them once: python -m compileall -q {' '.join(install_dirs(names))}")
     warnings.warn(text, stacklevel=2)
     return text

@@ -5,6 +5,7 @@ import importlib
 import py_compile
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -30,11 +31,13 @@ def test_the_warning_names_the_packages_and_the_command():
     import torch
 
     with pytest.warns(UserWarning) as caught:
-        text = warn_if_imports_from_source(["torch", "torch._dynamo"])
+        text = warn_if_imports_from_source(["torch", "torch._dynamo", "tests.unit"])
     assert str(caught[0].message) == text
-    assert text.startswith("torch, torch._dynamo compiled from source at import: there is no .pyc byte code")
-    site = str(__import__("pathlib").Path(torch.__file__).parents[1])
-    assert text.endswith(f"python -m compileall -q {site}")
+    assert text.startswith("torch, torch._dynamo, tests.unit compiled from source at import: there is no .pyc byte "
+                           "code where Python looks for it")
+    # one directory per install that holds them: torch's site-packages once, and the repository (tests' parent)
+    site, repo = Path(torch.__file__).parents[1], Path(__file__).resolve().parents[2]
+    assert text.endswith(f"python -m compileall -q {site} {repo}")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert warn_if_imports_from_source([]) is None
