@@ -59,13 +59,18 @@ PYTEST_WORKERS ?= 0
 workers = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile)
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 
+# Both groups' outcome lines and every FAILED/ERROR line are repeated last, so a log cut to its tail names them.
 test: $(DEV_STAMP)
-	@log=$$(mktemp); rc=0; \
+	@log=$$(mktemp); ilog=$$(mktemp); rc=0; \
 	$(PYTEST) --durations=25 --test-group=unit tests >$$log 2>&1 & unit=$$!; \
-	$(PYTEST) $(call workers,$(PYTEST_WORKERS)) --durations=25 --test-group=integration tests/integration || rc=1; \
+	{ $(PYTEST) $(call workers,$(PYTEST_WORKERS)) --durations=25 --test-group=integration tests/integration \
+		|| echo "integration group failed" >>$$ilog.rc; } 2>&1 | tee $$ilog; [ ! -e $$ilog.rc ] || rc=1; \
 	wait $$unit || rc=1; \
 	echo "== make test: the unit group (tests outside tests/integration and one_process modules), run beside it =="; \
-	cat $$log; rm -f $$log; exit $$rc
+	cat $$log; \
+	echo "== make test: summary (integration group, then unit group) =="; \
+	for f in $$ilog $$log; do grep -a -E '^(FAILED|ERROR) ' $$f; grep -a -E '[0-9]+ (passed|failed|error)' $$f | tail -n 1; done; \
+	rm -f $$log $$ilog $$ilog.rc; exit $$rc
 
 test-fast: $(DEV_STAMP)
 	rc=0; \
