@@ -6,6 +6,7 @@ freezes nothing (frozen cycles are never freed while the run lasts)."""
 
 import asyncio
 import gc
+import weakref
 from types import SimpleNamespace
 
 from streamrft.config import Config
@@ -37,17 +38,18 @@ def test_launch_freezes_what_exists_and_stop_unfreezes():
         assert pipe.generator.start_step == 3
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # the interpreter's, torch's and the test's objects, the cycle among them
-        assert gc.is_tracked(built)
+        assert gc.is_tracked(built) and _in_frozen_generation(built)
+        cycle_alive = weakref.ref(built)
         del built
         gc.collect()
-        assert gc.get_freeze_count() == frozen  # a full collection leaves the frozen generation alone
+        # a full collection leaves the frozen generation alone: the unreachable cycle survives it. The count may
+        # drop, not grow: a frozen object can still be freed by its reference count (an AVX2 run here saw 2 of
+        # ~795,000 go during the collection)
+        assert cycle_alive() is not None and gc.get_freeze_count() <= frozen
         await pipe.stop()
         assert gc.get_freeze_count() == 0
-        # type(), not isinstance(): the heap may hold dead weakref proxies (a compile's, from an earlier test in
-        # this process), whose __class__ raises ReferenceError
-        cycles = sum(type(o) is _Cycle for o in gc.get_objects())
         gc.collect()
-        assert sum(type(o) is _Cycle for o in gc.get_objects()) == cycles - 1  # freed after unfreeze
+        assert cycle_alive() is None  # freed once unfrozen
 
     asyncio.run(main())
 
