@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO, free_port
+from tests.integration.conftest import REPO
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

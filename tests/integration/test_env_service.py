@@ -23,7 +23,7 @@ from protocols import decode, encode
 from protocols.env import EnvReply, EnvReset, EnvStep
 from streamrft.envs.remote import EnvServiceError, RemoteEnvClient
 from tests.integration._services import ServiceProcess, services_fixture
-from tests.integration.conftest import free_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow  # real processes (each test takes 1-2 s)
 

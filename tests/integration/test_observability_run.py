@@ -17,7 +17,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import REPO, arith_overrides, free_port
+from tests.integration.conftest import REPO, arith_overrides
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO / "pipelines" / "arith" / "config.yaml"

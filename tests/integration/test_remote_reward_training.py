@@ -13,7 +13,8 @@ from collections import Counter
 
 import pytest
 
-from tests.integration.conftest import REPO, arith_overrides, free_port
+from tests.integration.conftest import REPO, arith_overrides
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO / "pipelines" / "arith" / "config.yaml"

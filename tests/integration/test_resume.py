@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from streamrft.checkpoint import complete_checkpoints, read_meta
-from tests.integration.conftest import REPO, arith_overrides, free_port, sigterm_after_step
+from tests.integration.conftest import REPO, arith_overrides, sigterm_after_step
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO / "pipelines" / "arith" / "config.yaml"

@@ -28,7 +28,8 @@ from streamrft.config.reward import RewardConfig, RewardSourceConfig
 from streamrft.rewards.remote import RemoteRewardClient, RemoteRewardError
 from streamrft.rewards.rules import RULES
 from streamrft.rewards.scorer import build_reward_scorer
-from tests.integration.conftest import REPO, arith_overrides, free_port
+from tests.integration.conftest import REPO, arith_overrides
+from tests.ports import free_port
 
 # (prompt, response, gold answer): OpenRLHF's "query" is the prompt and response in one text.
 GSM8K = [

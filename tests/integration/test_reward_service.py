@@ -25,7 +25,7 @@ import zmq
 from protocols import RewardItem, RewardReply, RewardRequest, decode, encode
 from streamrft.rewards.remote import RemoteRewardClient
 from tests.integration._services import ServiceProcess, services_fixture
-from tests.integration.conftest import free_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

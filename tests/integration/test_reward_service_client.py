@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import socket
 import threading
 import time
 from typing import Callable
@@ -16,6 +15,7 @@ import zmq
 
 from protocols import RewardItem, RewardReply, RewardRequest, decode, encode
 from streamrft.rewards.remote import RemoteRewardClient
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -199,9 +199,7 @@ def test_an_unreachable_service_fails_after_the_retries_and_counts_them():
 
 
 def test_an_unreachable_http_service_fails_after_the_retries():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # nothing listens there
     out, client = run_client(f"http://127.0.0.1:{port}/", lambda c: c.score(items(2)), timeout_s=1.0, retries=1)
     assert all("after 2 attempts" in str(v) and "cannot reach" in str(v) for v in out)
     assert (client.n_retries, client.n_failed) == (1, 1)

@@ -14,7 +14,8 @@ import pytest
 from pipelines.arith.task import ARITH_ALPHABET
 from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2
 from streamrft.rm.cli import eval_rm_main, train_rm_main
-from tests.integration.conftest import REPO, free_port
+from tests.integration.conftest import REPO
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -20,6 +20,7 @@ import pytest
 from protocols import RewardItem, RewardRequest, encode
 from streamrft.rm.cli import train_rm_main
 from streamrft.rm.data import read_preference_pairs
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -72,14 +73,11 @@ def test_vision_srm_reaches_85_percent_and_is_served_by_reference(prepared, caps
 def _serve_and_score(rm_dir: Path, items: list[RewardItem]) -> tuple[list[float], list[float]]:
     """Start `serve-reward --fn model:DIR` (ZeroMQ and HTTP on 127.0.0.1); score ``items`` through
     RemoteRewardClient and through an HTTP JSON body with "media" refs."""
-    import socket
     import urllib.request
 
     from streamrft.rewards.remote import RemoteRewardClient
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "streamrft.rewards.service", "--fn", f"model:{rm_dir}",
                              "--bind", "tcp://127.0.0.1:0", "--http", f"127.0.0.1:{port}"], cwd=ROOT, env=env,

@@ -17,7 +17,8 @@ import zmq
 from protocols import RewardItem, RewardReply, RewardRequest, decode, encode
 from streamrft.rewards.sources import resolve_reward_function
 from tests.integration._services import ServiceProcess
-from tests.integration.conftest import REPO, free_port
+from tests.integration.conftest import REPO
+from tests.ports import free_port
 
 HERE = "tests.integration.test_serve_reward_conventions"
 

@@ -19,7 +19,7 @@ import zmq
 
 from protocols import RewardItem, RewardReply, RewardRequest, TeacherReply, TeacherRequest, decode, encode
 from tests.integration._services import ServiceProcess
-from tests.integration.conftest import free_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from protocols import TeacherReply, TeacherRequest, decode, encode
-from tests.integration.conftest import REPO, free_port
+from tests.integration.conftest import REPO
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from streamrft.config import load_config
-from tests.integration.conftest import REPO, arith_overrides, free_port, sigterm_after_step
+from tests.integration.conftest import REPO, arith_overrides, sigterm_after_step
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO / "pipelines" / "arith" / "config.yaml"

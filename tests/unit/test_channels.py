@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
-import socket
 import threading
 import uuid
 
@@ -30,6 +29,7 @@ from streamrft.runtime.channels import (
     channel_address,
 )
 from streamrft.runtime.frames import TensorFrameError
+from tests.ports import free_port
 
 TRANSPORTS = ["inproc", "ipc", "tcp"]
 WAIT = 5.0  # seconds: the bound on every wait that is expected to succeed
@@ -105,12 +105,6 @@ async def eventually(condition, what: str, timeout: float = WAIT) -> None:
         await asyncio.sleep(0.01)
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def sample_tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return {
@@ -173,7 +167,7 @@ def test_full_receiver_stalls_sender_until_credit_returns(harness, transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sender_started_before_receiver_binds_completes_handshake(harness, transport):
-    address = harness.address(transport) if transport != "tcp" else f"tcp://127.0.0.1:{free_tcp_port()}"
+    address = harness.address(transport) if transport != "tcp" else f"tcp://127.0.0.1:{free_port()}"
 
     async def body():
         tx = harness.sender(address)

@@ -16,6 +16,7 @@ from streamrft.config.env import validate_env
 from streamrft.envs import EnvStep as StepResult
 from streamrft.envs.service import EnvService, EnvServiceLimits
 from streamrft.rewards.service import ServiceLimits
+from tests.ports import free_port
 
 
 class Scripted:
@@ -140,15 +141,12 @@ def test_closing_an_episode_after_its_client_closed_is_not_counted_as_a_failure(
 
 def test_a_held_out_evaluation_closes_the_serve_env_client_it_made(monkeypatch):
     """Each evaluation makes its own RemoteEnvClient (sockets, threads); it must not outlive the evaluation."""
-    import socket
 
     from streamrft.engines.base import GenerationRequest
     from streamrft.envs import episode
     from streamrft.runtime.evaluation import _evaluate_episodes
 
-    with socket.socket() as s:  # a port nobody listens on: every reset goes unanswered
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on: every reset goes unanswered
     made = []
     real = episode.environment_factory
     monkeypatch.setattr(episode, "environment_factory", lambda cfg, rank=0: made.append(real(cfg, rank)) or made[-1])

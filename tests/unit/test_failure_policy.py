@@ -25,6 +25,7 @@ from streamrft.config.base import ConfigError
 from streamrft.config.reward import RewardConfig, RewardSourceConfig
 from streamrft.rewards import build_reward_scorer
 from streamrft.rewards.bounded import BoundedExecutor
+from tests.ports import free_port
 from streamrft.rewards.scorer import SourceTally
 from streamrft.runtime.accounting import Accounting
 from streamrft.runtime.failure_policy import check_step, exceeds, failure_line
@@ -82,12 +83,7 @@ def http_500():
 
 @pytest.fixture
 def refused_address():
-    import socket
-
-    with socket.socket() as s:  # a port that was free a moment ago and has no listener now
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"  # a port with no listener
 
 
 def sample_items(n: int, step: int = 2) -> list[RewardItem]:

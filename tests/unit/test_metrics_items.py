@@ -109,7 +109,7 @@ def test_item15_a_real_run_uses_1_based_steps_and_heldout_accuracy_everywhere_an
         tiny_text_model, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.integration.conftest import free_port
+    from tests.ports import free_port
 
     port, out = free_port(), tmp_path / "run"
     cmd = [sys.executable, "-m", "streamrft.cli", "train", str(REPO / "pipelines" / "arith" / "config.yaml"),
