@@ -13,8 +13,8 @@ import time
 import pytest
 
 from tests.integration.conftest import REPO, arith_overrides
-from tests.ports import free_port
 from tests.integration.test_train_e2e import CONFIG, env_one_thread
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 

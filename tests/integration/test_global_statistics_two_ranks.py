@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from tests.integration.conftest import REPO, arith_overrides
-from tests.ports import free_port
 from tests.integration.test_train_e2e import env_one_thread
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 CONFIG = REPO / "pipelines" / "arith" / "config.yaml"

@@ -141,7 +141,6 @@ def test_closing_an_episode_after_its_client_closed_is_not_counted_as_a_failure(
 
 def test_a_held_out_evaluation_closes_the_serve_env_client_it_made(monkeypatch):
     """Each evaluation makes its own RemoteEnvClient (sockets, threads); it must not outlive the evaluation."""
-
     from streamrft.engines.base import GenerationRequest
     from streamrft.envs import episode
     from streamrft.runtime.evaluation import _evaluate_episodes

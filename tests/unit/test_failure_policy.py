@@ -25,10 +25,10 @@ from streamrft.config.base import ConfigError
 from streamrft.config.reward import RewardConfig, RewardSourceConfig
 from streamrft.rewards import build_reward_scorer
 from streamrft.rewards.bounded import BoundedExecutor
-from tests.ports import free_port
 from streamrft.rewards.scorer import SourceTally
 from streamrft.runtime.accounting import Accounting
 from streamrft.runtime.failure_policy import check_step, exceeds, failure_line
+from tests.ports import free_port
 
 FUNCS = textwrap.dedent(
     """
