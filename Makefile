@@ -69,7 +69,9 @@ test: $(DEV_STAMP)
 	echo "== make test: the unit group (tests outside tests/integration and one_process modules), run beside it =="; \
 	cat $$log; \
 	echo "== make test: summary (integration group, then unit group) =="; \
-	for f in $$ilog $$log; do grep -a -E '^(FAILED|ERROR) ' $$f; grep -a -E '[0-9]+ (passed|failed|error)' $$f | tail -n 1; done; \
+	for f in $$ilog $$log; do \
+		grep -a -E '^(FAILED|ERROR) ' $$f; grep -a -E '[0-9]+ (passed|failed|error)' $$f | tail -n 1; \
+	done; \
 	rm -f $$log $$ilog $$ilog.rc; exit $$rc
 
 test-fast: $(DEV_STAMP)
