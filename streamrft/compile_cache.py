@@ -8,6 +8,12 @@ disk and reuse it: Inductor's FX-graph cache under ``TORCHINDUCTOR_CACHE_DIR`` (
 defaults are per user and per machine, and ``/tmp`` is often wiped; a directory on a kept volume makes a new
 machine's first step start warm.
 
+Inductor's subdirectory is one per CPU vector instruction set (``cpu_kernel_key``): its FX-graph cache key holds the
+GPU's name but not the CPU's instruction set, and a graph's C++ source is generated for the one Inductor picks
+(``ATEN_CPU_CAPABILITY`` and the CPU's flags). A kept directory that machines of two CPU types share, or one run with
+``ATEN_CPU_CAPABILITY`` set, would then load source vectorised for another width: it failed to compile (AVX2 source
+under ``default``) or, in one test, gave NaN (AVX2 forced over a cache written by AVX-512 machines: benchmarks/NOTES.md v29, v30).
+
 Why environment variables: both compilers read them lazily, at their first compile in the process, and child
 processes (the async placement's engine processes) inherit them; setting them at the start of the run, before
 any model is built, covers every compile. The key wins over variables already set (it was written on purpose).
@@ -24,10 +30,24 @@ INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 TRITON_ENV = "TRITON_CACHE_DIR"
 
 
-def cache_env(root: str) -> dict[str, str]:
-    """The variables ``compile_cache_dir=root`` sets: one subdirectory per compiler (absolute paths)."""
+def cpu_kernel_key() -> str:
+    """The CPU vector instruction set Inductor generates C++ kernels for in this process: "cpu-" and torch's CPU
+    capability (which honours ``ATEN_CPU_CAPABILITY``), "-amx" where AVX-512 comes with AMX tiles (Inductor then
+    picks AMX). E.g. "cpu-avx2", "cpu-avx512-amx", "cpu-default"."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    if capability.startswith("avx512") and amx():
+        capability += "-amx"
+    return "cpu-" + capability
+
+
+def cache_env(root: str, cpu_key: str) -> dict[str, str]:
+    """The variables ``compile_cache_dir=root`` sets: one subdirectory per compiler, Inductor's one per
+    ``cpu_key`` (``cpu_kernel_key``; module docstring) (absolute paths)."""
     base = Path(root).expanduser().absolute()
-    return {INDUCTOR_ENV: str(base / "inductor"), TRITON_ENV: str(base / "triton")}
+    return {INDUCTOR_ENV: str(base / "inductor" / cpu_key), TRITON_ENV: str(base / "triton")}
 
 
 def check_compile_cache_dir(root: str) -> None:
@@ -52,7 +72,7 @@ def apply_compile_cache(root: str, environ=os.environ) -> dict[str, str]:
     if not root:
         return {}
     check_compile_cache_dir(root)
-    env = cache_env(root)
+    env = cache_env(root, cpu_kernel_key())
     for path in env.values():
         os.makedirs(path, exist_ok=True)
     environ.update(env)

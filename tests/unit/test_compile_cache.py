@@ -1,7 +1,9 @@
 """compile_cache_dir (streamrft/compile_cache.py): Inductor and Triton are pointed at one kept directory before
-anything compiles; a second process compiling the same graph loads it from there (FX-graph cache hit)."""
+anything compiles; a second process compiling the same graph loads it from there (FX-graph cache hit), and a process
+of another CPU vector instruction set compiles its own."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,10 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from streamrft.compile_cache import INDUCTOR_ENV, TRITON_ENV, apply_compile_cache, cache_env
+import torch
+
+from streamrft.compile_cache import INDUCTOR_ENV, TRITON_ENV, apply_compile_cache, cache_env, cpu_kernel_key
 from streamrft.config import ConfigError, load_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
+CPU = cpu_kernel_key()
 
 
 @pytest.fixture
@@ -26,9 +31,15 @@ def env(monkeypatch):
 
 def test_apply_sets_both_caches_under_the_dir(tmp_path, env):
     got = apply_compile_cache(str(tmp_path / "cc"))
-    assert got == {INDUCTOR_ENV: str(tmp_path / "cc" / "inductor"), TRITON_ENV: str(tmp_path / "cc" / "triton")}
+    assert got == {INDUCTOR_ENV: str(tmp_path / "cc" / "inductor" / CPU), TRITON_ENV: str(tmp_path / "cc" / "triton")}
     assert env[INDUCTOR_ENV] == got[INDUCTOR_ENV] and env[TRITON_ENV] == got[TRITON_ENV]  # the key wins
-    assert (tmp_path / "cc" / "inductor").is_dir() and (tmp_path / "cc" / "triton").is_dir()
+    assert (tmp_path / "cc" / "inductor" / CPU).is_dir() and (tmp_path / "cc" / "triton").is_dir()
+
+
+def test_the_cpu_key_names_torchs_capability():
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    assert CPU in (f"cpu-{capability}", f"cpu-{capability}-amx")
+    assert CPU.endswith("-amx") == (capability.startswith("avx512") and torch.cpu._is_amx_tile_supported())
 
 
 def test_empty_leaves_the_environment(env):
@@ -38,9 +49,9 @@ def test_empty_leaves_the_environment(env):
 
 def test_relative_and_home_paths_become_absolute(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    assert cache_env("kc")[INDUCTOR_ENV] == str(tmp_path / "kc" / "inductor")
+    assert cache_env("kc", "cpu-avx2")[INDUCTOR_ENV] == str(tmp_path / "kc" / "inductor" / "cpu-avx2")
     monkeypatch.setenv("HOME", str(tmp_path / "h"))
-    assert cache_env("~/c")[TRITON_ENV] == str(tmp_path / "h" / "c" / "triton")
+    assert cache_env("~/c", "cpu-avx2")[TRITON_ENV] == str(tmp_path / "h" / "c" / "triton")
 
 
 def test_a_file_in_the_way_is_a_config_error_before_any_model(tmp_path):
@@ -59,15 +70,13 @@ def test_build_run_applies_it_first(tmp_path, env):
     from streamrft.compose import build_run
     from streamrft.runtime.distributed import DistInfo
 
-    import torch
-
     (tmp_path / "c.yaml").write_text("seed: 0\n")
     cfg = load_config(tmp_path / "c.yaml", [f"compile_cache_dir={tmp_path / 'kept'}",
                                             f"data.train_path={tmp_path / 'missing.jsonl'}"])
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     with pytest.raises(Exception):
         build_run(cfg, dist)
-    assert env[INDUCTOR_ENV] == str(tmp_path / "kept" / "inductor")
+    assert env[INDUCTOR_ENV] == str(tmp_path / "kept" / "inductor" / CPU)
 
 
 _COMPILE = textwrap.dedent("""
@@ -79,30 +88,40 @@ _COMPILE = textwrap.dedent("""
     import torch._inductor.config as ic
     ic.compile_threads = 1
     f = torch.compile(lambda x: (x * 3.0).sin() + x.cos(), backend="inductor")
-    y = f(torch.arange(8, dtype=torch.float32))
+    y = f(torch.arange(67, dtype=torch.float32))  # vectorised, with a tail
     from torch._dynamo.utils import counters
     print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
-                      "miss": counters["inductor"]["fxgraph_cache_miss"], "y0": float(y[1])}))
+                      "miss": counters["inductor"]["fxgraph_cache_miss"], "y1": float(y[1])}))
 """)
 
 
 @pytest.mark.slow
-def test_a_second_process_reuses_the_compiled_graph(tmp_path):
+def test_a_second_process_reuses_the_compiled_graph_and_another_cpu_isa_compiles_its_own(tmp_path):
     (tmp_path / "c.yaml").write_text("seed: 0\n")
     script = tmp_path / "compile.py"
     script.write_text(_COMPILE)
-    env = {k: v for k, v in os.environ.items() if k not in (INDUCTOR_ENV, TRITON_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (INDUCTOR_ENV, TRITON_ENV, "ATEN_CPU_CAPABILITY")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
 
-    def run():
+    def run(**extra):
         p = subprocess.run([sys.executable, str(script), str(tmp_path / "c.yaml"), str(tmp_path / "cache")],
-                           capture_output=True, text=True, env=env, timeout=300)
+                           capture_output=True, text=True, env={**env, **extra}, timeout=300)
         assert p.returncode == 0, p.stderr[-2000:]
         return json.loads(p.stdout.strip().splitlines()[-1])
 
+    expected = math.sin(3.0) + math.cos(1.0)
     first = run()
     assert (first["hit"], first["miss"]) == (0, 1)  # cold: compiled, written under the key's directory
-    assert any((tmp_path / "cache" / "inductor").rglob("*")), "nothing written under compile_cache_dir/inductor"
+    assert first["y1"] == pytest.approx(expected, abs=1e-6)
+    assert any((tmp_path / "cache" / "inductor" / CPU).rglob("*")), f"nothing written under inductor/{CPU}"
     second = run()
     assert (second["hit"], second["miss"]) == (1, 0)  # warm: the first process's graph, loaded
-    assert second["y0"] == first["y0"]
+    assert second["y1"] == first["y1"]
+    if CPU == "cpu-default":
+        return  # no vector instruction set here to differ from
+    # Scalar kernels: the graph's cache key is the same, and the vectorised source in inductor/CPU failed to compile
+    # under them ("'at::vec' has not been declared") before Inductor's directory was one per instruction set.
+    scalar = run(ATEN_CPU_CAPABILITY="default")
+    assert (scalar["hit"], scalar["miss"]) == (0, 1)
+    assert scalar["y1"] == pytest.approx(expected, abs=1e-6)
+    assert any((tmp_path / "cache" / "inductor" / "cpu-default").rglob("*"))
