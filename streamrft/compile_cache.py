@@ -12,7 +12,8 @@ Inductor's subdirectory is one per CPU vector instruction set (``cpu_kernel_key`
 GPU's name but not the CPU's instruction set, and a graph's C++ source is generated for the one Inductor picks
 (``ATEN_CPU_CAPABILITY`` and the CPU's flags). A kept directory that machines of two CPU types share, or one run with
 ``ATEN_CPU_CAPABILITY`` set, would then load source vectorised for another width: it failed to compile (AVX2 source
-under ``default``) or, in one test, gave NaN (AVX2 forced over a cache written by AVX-512 machines: benchmarks/NOTES.md v29, v30).
+under ``default``) or, in one test, gave NaN (AVX2 forced over a cache written by AVX-512 machines:
+benchmarks/NOTES.md v29, v30).
 
 Why environment variables: both compilers read them lazily, at their first compile in the process, and child
 processes (the async placement's engine processes) inherit them; setting them at the start of the run, before
