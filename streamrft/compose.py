@@ -41,8 +41,8 @@ class Run:
     run_id: str = ""
     checkpointer: object = None
     trainable_params: int = 0  # N of the 6·N·tokens FLOPs estimate
-    training: bool = False  # a train step runs in its worker thread
-    stop_requested: str = ""  # the signal received while training (the loop stops after the step)
+    stop_requested: str = ""  # the signal received (every rank stops at the loop's next agreement)
+    stop_event: object = None  # asyncio.Event set with stop_requested: it ends the wait for a rollout
 
 
 def build_learner(cfg: Config, dist):

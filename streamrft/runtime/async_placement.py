@@ -296,11 +296,11 @@ class AsyncPhase:
         self._train_started: float | None = None
         self.started: float | None = None  # the first version published: the engines start generating
 
-    def batch_ready(self, local_samples: int) -> int:
+    def batch_ready(self, local_samples: int, stop: bool = False) -> tuple[int, bool]:
         started = time.perf_counter()
-        total = int(self.all_reduce_sum(torch.tensor([float(local_samples)])).item())
+        total, stops = self.all_reduce_sum(torch.tensor([float(local_samples), float(stop)])).tolist()
         self.timings["decide"] = time.perf_counter() - started
-        return total
+        return int(total), stops > 0
 
     async def enter_train(self) -> None:
         self._train_started = time.time()

@@ -2,7 +2,9 @@
 
 Design choice for world size 1 (no torchrun env vars): we still create a one-rank gloo group, backed by an
 in-process ``HashStore`` (no port, no network), so FSDP2 and every collective run the same code path at any
-world size. Under torchrun the group is NCCL when CUDA is available, gloo otherwise.
+world size. With CUDA the group is NCCL for CUDA tensors and gloo for CPU tensors (``cpu:gloo,cuda:nccl``):
+the learner's collectives run on the GPU, while the driver's small agreements and statistics are CPU tensors,
+which a NCCL-only group rejects at world size > 1; without CUDA it is gloo.
 
 Every collective here runs with ``async_op=True`` and waits with an explicit timeout; a timeout or a lost
 peer ends in :class:`CollectiveError` naming the stage and the rank. (Under NCCL, ``wait`` only orders the
@@ -56,21 +58,20 @@ def init_distributed(timeout_s: float = _DEFAULT_TIMEOUT_S) -> DistInfo:
         raise ValueError(f"init_distributed(timeout_s={timeout_s}) must be > 0 seconds")
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     use_cuda = torch.cuda.is_available()
-    backend = "nccl" if use_cuda else "gloo"
+    group_backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     if not dist.is_initialized():
         _timeout_s = float(timeout_s)
         timeout = timedelta(seconds=timeout_s)
         if rank is None or world_size is None:
             store = dist.HashStore()
-            dist.init_process_group("gloo" if not use_cuda else backend, store=store, rank=0, world_size=1,
-                                    timeout=timeout)
+            dist.init_process_group(group_backend, store=store, rank=0, world_size=1, timeout=timeout)
         else:
             if local_rank is None:
                 raise ValueError(f"RANK={rank} is set but LOCAL_RANK is not; launch with torchrun")
             if use_cuda:
                 torch.cuda.set_device(local_rank)
-            dist.init_process_group(backend, timeout=timeout)
-    backend = dist.get_backend()
+            dist.init_process_group(group_backend, timeout=timeout)
+    backend = "nccl" if "nccl" in str(dist.get_backend()).lower() else "gloo"  # of the group, this call's or earlier
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = local_rank if local_rank is not None else 0
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
@@ -112,9 +113,9 @@ def barrier(name: str, timeout_s: float | None = None) -> None:
     """Wait until every rank reaches the barrier ``name``; CollectiveError names it and the rank on timeout."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    # an all-reduce of one element is a barrier whose wait honours the timeout on every backend
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    token = torch.zeros(1, device=device)
+    # an all-reduce of one CPU element (gloo in every group: init_distributed) is a barrier whose wait honours
+    # the timeout
+    token = torch.zeros(1)
     _wait(dist.all_reduce(token, async_op=True), f"barrier:{name}", timeout_s)
 
 

@@ -6,6 +6,7 @@ Building the components (engines, learner, scorer, sinks: the composition root) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -46,9 +47,12 @@ async def train_loop(run) -> dict[str, float]:
     progress = _progress(run, cfg.train.max_steps - start, "train")
     for step in range(start, cfg.train.max_steps):
         step_started, compile_seconds_before = time.perf_counter(), compile_seconds()
-        batch = await pipeline.take(step, learner_version=step)  # step k trains at learner version k
+        batch = await _take_unless_stopping(run, step)  # step k trains at learner version k
+        # one all-reduce decides ROLLOUT → TRAIN, or that every rank stops here (a signal on any rank)
+        global_samples, stopping = phase.batch_ready(len(batch) if batch else 0, stop=bool(run.stop_requested))
+        if stopping:
+            _stop_agreed(run)
         _record(run, batch)
-        global_samples = phase.batch_ready(len(batch))  # one all-reduce decides ROLLOUT → TRAIN
         await phase.enter_train()
         train_started = time.perf_counter()
         stats = await _train_off_loop(run, batch) if global_samples else {}
@@ -68,11 +72,12 @@ async def train_loop(run) -> dict[str, float]:
         _log_step(run, step, stats, progress)
         _write_trajectories(run, step, batch)
         run.checkpointer.commit()  # the step is logged: its checkpoint (if it saved one) may be complete now
-        if run.stop_requested:
-            raise asyncio.CancelledError  # a signal arrived while the step trained: it is complete now
+        # a signal that came during the step: the next take returns at once and the ranks agree to stop there
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and step + 1 < cfg.train.max_steps:
             _announce(run, f"step {step + 1}: {await _evaluate_held(run)}", progress)
     progress.close()
+    if _any_rank_stopping(run):  # a signal after the last agreement: the final step is saved, skip the evaluation
+        _stop_agreed(run)
     summary.update({f"{k}_after": v for k, v in (await _evaluate_held(run)).items()})
     summary.update(steps=cfg.train.max_steps, seconds=time.perf_counter() - started)
     summary.update(run.accounting.summary())
@@ -106,13 +111,44 @@ async def _evaluate_held(run) -> dict[str, float]:
 
 async def _train_off_loop(run, batch) -> dict[str, float]:
     """The train step in a worker thread, so the stages (scoring, advantages, the feed) keep moving.
-    A signal that arrives meanwhile is deferred to the end of the step (``run.stop_requested``): the
-    weights change inside the thread, and a checkpoint must see a whole step or none."""
-    run.training = True
+    A signal that arrives meanwhile waits for the next agreement (``_take_unless_stopping``): the weights
+    change inside the thread, and a checkpoint must see a whole step or none."""
+    return await asyncio.to_thread(run.actor.train_step, batch.samples)
+
+
+async def _take_unless_stopping(run, step: int):
+    """This rank's batch of ``step``, or None once a signal asked the run to stop: the wait for a rollout is
+    the one long wait outside the ranks' common collectives, so a signal ends it at once, and the rank goes
+    on to the all-reduce that every rank makes next (``batch_ready``) with its stop flag."""
+    if run.stop_requested:
+        return None
+    if run.stop_event is None:  # driven without run_with_signals (tests)
+        return await run.pipeline.take(step, learner_version=step)
+    take = asyncio.ensure_future(run.pipeline.take(step, learner_version=step))
+    stopped = asyncio.ensure_future(run.stop_event.wait())
     try:
-        return await asyncio.to_thread(run.actor.train_step, batch.samples)
+        await asyncio.wait({take, stopped}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        run.training = False
+        stopped.cancel()
+        if not take.done():
+            take.cancel()
+            await asyncio.gather(take, return_exceptions=True)
+    return None if take.cancelled() else take.result()
+
+
+def _any_rank_stopping(run) -> bool:
+    """One all-reduce of the stop flags (after the last step, where no ``batch_ready`` follows)."""
+    from streamrft.runtime.distributed import all_reduce_max
+
+    flag = torch.tensor([1.0 if run.stop_requested else 0.0])
+    return bool(all_reduce_max(flag, stage="stop_agreement", timeout_s=run.cfg.checkpoint.signal_timeout_s).item())
+
+
+def _stop_agreed(run) -> None:
+    """Every rank stops at the same point of the loop (so their next collectives, the signal save's, match),
+    including a rank that received no signal itself."""
+    run.stop_requested = run.stop_requested or "another rank's signal"
+    raise asyncio.CancelledError
 
 
 def _check_failures(run, step: int, batch, progress) -> None:
@@ -308,31 +344,42 @@ async def _shutdown(run) -> None:
 
 
 async def run_with_signals(run) -> dict[str, float]:
-    """Ctrl-C / SIGTERM cancel the loop; sockets are closed on every exit path."""
+    """Ctrl-C / SIGTERM stop every rank at the same point of the loop (the next agreement, at most one train
+    step away), which saves the last completed step; a second signal stops this rank at once, unsaved.
+    Sockets are closed on every exit path."""
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
-    received: list[str] = []
+    run.stop_event = asyncio.Event()
+    forced: list[str] = []
 
     def on_signal(name: str) -> None:
-        received.append(name)
-        if run.training:  # the step in the worker thread completes first (see _train_off_loop)
-            run.stop_requested = name
-        else:
+        if run.stop_requested and run.stop_requested != "another rank's signal":
+            forced.append(name)
             main.cancel()
+            return
+        run.stop_requested = name
+        run.stop_event.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
         return await train_loop(run)
     except asyncio.CancelledError:
-        if received:
+        if run.stop_requested and not forced:
             # The long-lived stages go on after the loop is cancelled: stop them first, so no generate call
             # queues another forward on the module while it is saved; then wait for the forward a cancelled
             # call left running in its worker thread (FSDP swaps parameters during a forward).
-            await run.pipeline.stop()
-            run.engine.quiesce()
-            run.checkpointer.save_on_signal()  # the last completed step, unless it is saved already
-            raise KeyboardInterrupt(f"streamrft: stopped by {received[0]} on rank {run.dist.rank}; sockets closed") from None
+            with contextlib.suppress(asyncio.CancelledError):  # a second signal while the stages stop
+                await run.pipeline.stop()
+            if not forced:
+                run.engine.quiesce()
+                run.checkpointer.save_on_signal()  # the last completed step, unless it is saved already
+        if forced:
+            raise KeyboardInterrupt(f"streamrft: stopped by a second {forced[0]} on rank {run.dist.rank} "
+                                    "without saving; sockets closed") from None
+        if run.stop_requested:
+            raise KeyboardInterrupt(f"streamrft: stopped by {run.stop_requested} on rank {run.dist.rank}; "
+                                    "sockets closed") from None
         raise
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -79,11 +79,12 @@ class PhaseController:
             self.metrics.phase_switch_seconds.labels(transition="train_to_rollout").observe(self.timings["train_to_rollout"])
         self._set_state(ROLLOUT)
 
-    def batch_ready(self, local_samples: int) -> int:
-        """Every rank has its full local batch: one all-reduce of counts; returns the global count."""
+    def batch_ready(self, local_samples: int, stop: bool = False) -> tuple[int, bool]:
+        """Every rank has its full local batch, or wants to stop (a signal): one all-reduce of counts and stop
+        flags; returns (the global count, whether any rank stops)."""
         with self._timed("decide"):
-            total = self.all_reduce_sum(torch.tensor([float(local_samples)]))
-        return int(total.item())
+            total, stops = self.all_reduce_sum(torch.tensor([float(local_samples), float(stop)])).tolist()
+        return int(total), stops > 0
 
     async def enter_train(self) -> None:
         assert self.state == ROLLOUT, self.state

@@ -56,10 +56,11 @@ def arith_overrides(arith_dir: Path, output_dir: Path, *extra: str) -> list[str]
     ]
 
 
-def sigterm_after_step(cmd: list[str], env: dict, step: int, wait_s: float = 120, new_session: bool = False) -> tuple[int, str]:
+def sigterm_after_step(cmd: list[str], env: dict, step: int, wait_s: float = 120, new_session: bool = False,
+                       target=None) -> tuple[int, str]:
     """Start a training command, send SIGTERM once it prints ``step {step}/``, and return
     (exit code, all output). ``new_session``: a launcher with children (torchrun), killed as a group
-    if it outlives the test."""
+    if it outlives the test. ``target``: a function giving the pid to signal (default: the command's)."""
     import os
     import signal
     import subprocess
@@ -73,10 +74,29 @@ def sigterm_after_step(cmd: list[str], env: dict, step: int, wait_s: float = 120
             if line.startswith(f"step {step}/"):
                 break
             assert time.monotonic() < deadline, f"no step {step} within {wait_s:.0f} s"
-        proc.send_signal(signal.SIGTERM)
+        if target is None:
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.kill(target(), signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL) if new_session else proc.kill()
             proc.wait(10)
     return proc.returncode, out
+
+
+def rank_pid(marker: str, rank: int) -> int:
+    """The pid of the training process of ``rank`` (RANK in its environment) whose command line holds
+    ``marker`` (e.g. its output folder)."""
+    import subprocess
+
+    for pid in subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # it ended meanwhile
+            continue
+        if f"RANK={rank}".encode() in environ and b"streamrft.cli" in cmdline:
+            return int(pid)
+    raise AssertionError(f"no process of rank {rank} with {marker} on its command line")

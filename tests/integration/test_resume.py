@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from streamrft.checkpoint import complete_checkpoints, read_meta
-from tests.integration.conftest import REPO, arith_overrides, sigterm_after_step
+from tests.integration.conftest import REPO, arith_overrides, rank_pid, sigterm_after_step
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -154,4 +154,19 @@ def test_sigterm_saves_the_last_completed_step_and_exits_cleanly(arith_dir, tmp_
     ((step, path),) = complete_checkpoints(tmp_path)  # save_every=0: only the signal's checkpoint
     meta = read_meta(path)
     assert step >= 2 and meta["reason"] == "signal" and meta["policy_version"] == step
+    assert f"saved {path} on signal" in out
+
+
+def test_a_signal_to_one_rank_stops_both_after_the_same_step_and_saves_it(arith_dir, tmp_path):
+    """SIGTERM to rank 1 alone (a scheduler or a user that signals one process): the ranks agree at the next
+    batch all-reduce, so both stop after the same step and their next collectives (the signal save's) match;
+    before, rank 1 went to the save while rank 0 trained on, and both hung until torchrun killed them."""
+    cmd, env = command(arith_dir, tmp_path, 2, "train.max_steps=1000")
+    code, out = sigterm_after_step(cmd, env, step=2, wait_s=180, new_session=True,
+                                   target=lambda: rank_pid(str(tmp_path), rank=1))
+    assert code != 0, out[-3000:]
+    assert "stopped by SIGTERM on rank 1; sockets closed" in out, out[-3000:]
+    assert "stopped by another rank's signal on rank 0; sockets closed" in out, out[-3000:]
+    ((step, path),) = complete_checkpoints(tmp_path)
+    assert step >= 2 and read_meta(path)["reason"] == "signal"
     assert f"saved {path} on signal" in out
