@@ -137,11 +137,12 @@ async def _take_unless_stopping(run, step: int):
 
 
 def _any_rank_stopping(run) -> bool:
-    """One all-reduce of the stop flags (after the last step, where no ``batch_ready`` follows)."""
+    """One all-reduce of the stop flags (after the last step, where no ``batch_ready`` follows), with the
+    per-step collectives' timeout: the ranks may reach it as far apart as their last step's logging."""
     from streamrft.runtime.distributed import all_reduce_max
 
     flag = torch.tensor([1.0 if run.stop_requested else 0.0])
-    return bool(all_reduce_max(flag, stage="stop_agreement", timeout_s=run.cfg.checkpoint.signal_timeout_s).item())
+    return bool(all_reduce_max(flag, stage="stop_agreement").item())
 
 
 def _stop_agreed(run) -> None:
