@@ -33,3 +33,30 @@ def test_bad_timeout_or_env_is_a_value_error_naming_the_fix(no_torchrun_env, mon
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match="RANK='x'"):
         init_distributed()
+
+
+def test_with_cuda_the_group_sends_cpu_tensors_over_gloo_and_cuda_tensors_over_nccl(no_torchrun_env, monkeypatch):
+    """The driver's agreements and step statistics are CPU tensors; a NCCL-only group (what ``"nccl"`` gives:
+    torch maps it to CUDA alone) rejects them at world size > 1, so with CUDA both backends are named. No GPU
+    here: torch's init is replaced by a recorder (its documented ``device:backend`` string is the contract)."""
+    import torch.distributed as dist
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def record(backend, **kwargs):
+        seen.append(backend)
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(dist, "init_process_group", record)
+    for env in ({}, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}):  # alone, then under torchrun
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(Stop):
+            init_distributed(timeout_s=30)
+    pairs = [dict(pair.split(":") for pair in backend.split(",")) for backend in seen]
+    assert pairs == [{"cpu": "gloo", "cuda": "nccl"}] * 2
