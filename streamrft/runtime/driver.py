@@ -346,7 +346,8 @@ async def _shutdown(run) -> None:
 
 async def run_with_signals(run) -> dict[str, float]:
     """Ctrl-C / SIGTERM stop every rank at the same point of the loop (the next agreement, at most one train
-    step away), which saves the last completed step; a second signal stops this rank at once, unsaved.
+    step away), which saves the last completed step; a second signal stops this rank without waiting for the
+    others, unsaved.
     Sockets are closed on every exit path."""
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
