@@ -39,6 +39,7 @@ from protocols import Control, ScoredSample
 from streamrft.runtime.channels import ChannelReceiver
 from streamrft.runtime.feed import LearnerFeed, TrainBatch
 from streamrft.runtime.log_warnings import LogWarnings
+from streamrft.runtime.phase import agree_on_batch
 from streamrft.runtime.stage import StageContext, StageError
 
 
@@ -298,9 +299,9 @@ class AsyncPhase:
 
     def batch_ready(self, local_samples: int, stop: bool = False) -> tuple[int, bool]:
         started = time.perf_counter()
-        total, stops = self.all_reduce_sum(torch.tensor([float(local_samples), float(stop)])).tolist()
+        agreed = agree_on_batch(self.all_reduce_sum, local_samples, stop)
         self.timings["decide"] = time.perf_counter() - started
-        return int(total), stops > 0
+        return agreed
 
     async def enter_train(self) -> None:
         self._train_started = time.time()

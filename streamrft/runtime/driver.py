@@ -18,6 +18,7 @@ import torch
 
 
 log = logging.getLogger("streamrft")
+_PEER_STOP = "another rank's signal"  # run.stop_requested of a rank that stops because another rank was signalled
 
 
 async def train_loop(run) -> dict[str, float]:
@@ -148,7 +149,7 @@ def _any_rank_stopping(run) -> bool:
 def _stop_agreed(run) -> None:
     """Every rank stops at the same point of the loop (so their next collectives, the signal save's, match),
     including a rank that received no signal itself."""
-    run.stop_requested = run.stop_requested or "another rank's signal"
+    run.stop_requested = run.stop_requested or _PEER_STOP
     raise asyncio.CancelledError
 
 
@@ -355,7 +356,7 @@ async def run_with_signals(run) -> dict[str, float]:
     forced: list[str] = []
 
     def on_signal(name: str) -> None:
-        if run.stop_requested and run.stop_requested != "another rank's signal":
+        if run.stop_requested and run.stop_requested != _PEER_STOP:
             forced.append(name)
             main.cancel()
             return

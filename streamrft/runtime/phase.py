@@ -20,6 +20,13 @@ import torch
 ROLLOUT, TRAIN = "rollout", "train"
 
 
+
+def agree_on_batch(all_reduce_sum, local_samples: int, stop: bool) -> tuple[int, bool]:
+    """The all-reduce before every train step (both placements' ``batch_ready``): (the global sample count,
+    whether any rank stops)."""
+    total, stops = all_reduce_sum(torch.tensor([float(local_samples), float(stop)])).tolist()
+    return int(total), stops > 0
+
 class PhaseController:
     def __init__(self, strategy, engine, all_reduce_sum, metrics=None, sleep_level: int = 1, push_full_weights: bool = False, bucket_bytes: int = 256 << 20, offload: bool = True, admission=None):
         self.strategy, self.engine = strategy, engine
@@ -83,8 +90,7 @@ class PhaseController:
         """Every rank has its full local batch, or wants to stop (a signal): one all-reduce of counts and stop
         flags; returns (the global count, whether any rank stops)."""
         with self._timed("decide"):
-            total, stops = self.all_reduce_sum(torch.tensor([float(local_samples), float(stop)])).tolist()
-        return int(total), stops > 0
+            return agree_on_batch(self.all_reduce_sum, local_samples, stop)
 
     async def enter_train(self) -> None:
         assert self.state == ROLLOUT, self.state
