@@ -106,8 +106,45 @@ def _record(run, batch) -> None:
 async def _evaluate_held(run) -> dict[str, float]:
     """The held-out evaluation with admission held (colocated: it runs on the same module as the
     rollout engine, and two forwards must not interleave on an FSDP module)."""
+    from streamrft.runtime.distributed import all_reduce_sum
+
     async with run.pipeline.hold():
-        return await _evaluate(run)
+        if run.stop_event is None or run.eval_dataset is None:  # driven without run_with_signals; nothing to stop
+            return await _evaluate(run, all_reduce_sum)
+        return await _evaluate_unless_stopping(run, all_reduce_sum)
+
+
+async def _evaluate_unless_stopping(run, all_reduce_sum) -> dict[str, float]:
+    """The held-out evaluation, or a stop agreed by every rank: a signal ends this rank's evaluation at once
+    (it can last minutes), and the ranks agree in one all-reduce of their stop flags placed before the
+    evaluation's own all-reduces, so every rank makes the same collectives whatever it was doing. A rank whose
+    evaluation reached the agreement finishes it (a signal after that waits for the next ``batch_ready``);
+    a rank that was cancelled before it joins the agreement with its flag set."""
+    agreed: list[bool] = []
+
+    def agree() -> None:
+        agreed.append(True)
+        if _any_rank_stopping(run, stage="heldout_stop_agreement"):
+            _stop_agreed(run)  # CancelledError: out of the evaluation, on every rank alike
+
+    def agree_then_reduce(t: torch.Tensor, **kwargs) -> torch.Tensor:
+        if not agreed:
+            agree()
+        return all_reduce_sum(t, **kwargs)
+
+    evaluation = asyncio.ensure_future(_evaluate(run, agree_then_reduce))
+    stopped = asyncio.ensure_future(run.stop_event.wait())
+    try:
+        await asyncio.wait({evaluation, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not evaluation.done() and not agreed:
+            evaluation.cancel()
+            await asyncio.gather(evaluation, return_exceptions=True)
+            if not agreed:  # cancelled before the agreement: join it (this rank's flag is set, so every rank stops)
+                agree()
+        return await evaluation
+    finally:
+        stopped.cancel()
+        evaluation.cancel()  # a second signal cancelled this wait: the evaluation must not go on alone
 
 
 async def _train_off_loop(run, batch) -> dict[str, float]:
@@ -137,13 +174,14 @@ async def _take_unless_stopping(run, step: int):
     return None if take.cancelled() else take.result()
 
 
-def _any_rank_stopping(run) -> bool:
-    """One all-reduce of the stop flags (after the last step, where no ``batch_ready`` follows), with the
-    per-step collectives' timeout: the ranks may reach it as far apart as their last step's logging."""
+def _any_rank_stopping(run, stage: str = "stop_agreement") -> bool:
+    """One all-reduce of the stop flags (after the last step, where no ``batch_ready`` follows; in a held-out
+    evaluation), with the per-step collectives' timeout: the ranks may reach it as far apart as their last
+    step's logging, or their evaluations' lengths."""
     from streamrft.runtime.distributed import all_reduce_max
 
     flag = torch.tensor([1.0 if run.stop_requested else 0.0])
-    return bool(all_reduce_max(flag, stage="stop_agreement").item())
+    return bool(all_reduce_max(flag, stage=stage).item())
 
 
 def _stop_agreed(run) -> None:
@@ -224,10 +262,9 @@ def _stateful(run) -> dict:
     return objects
 
 
-async def _evaluate(run) -> dict[str, float]:
+async def _evaluate(run, all_reduce_sum) -> dict[str, float]:
     if run.eval_dataset is None:
         return {}
-    from streamrft.runtime.distributed import all_reduce_sum
     from streamrft.runtime.evaluation import evaluate
 
     n = min(run.cfg.data.eval_size or len(run.eval_dataset.rows), len(run.eval_dataset.rows))
@@ -375,7 +412,8 @@ async def run_with_signals(run) -> dict[str, float]:
             with contextlib.suppress(asyncio.CancelledError):  # a second signal while the stages stop
                 await run.pipeline.stop()
             if not forced:
-                run.engine.quiesce()
+                for engine in {id(e): e for e in (run.engine, run.eval_engine)}.values():  # the evaluation's too
+                    engine.quiesce()
                 run.checkpointer.save_on_signal()  # the last completed step, unless it is saved already
         if forced:
             raise KeyboardInterrupt(f"streamrft: stopped by a second {forced[0]} on rank {run.dist.rank} "

@@ -219,6 +219,9 @@ class Generator(Stage):
                 task.cancel()
             if self._failure.done() and not self._failure.cancelled():
                 self._failure.exception()  # retrieved: the pipeline reports this stage's failure (or it is shutdown's ChannelClosed)
+            # Nothing waits on it from here: a task that ends later (the feedback task, with the ChannelClosed of
+            # the sockets that stop() closes) must not set an exception that nobody retrieves.
+            self._failure.cancel()
             client = getattr(self.env_factory, "client", None)  # a serve-env client: its sockets and threads
             if client is not None:
                 await client.close()

@@ -170,3 +170,60 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step_and_saves_it(arith_
     ((step, path),) = complete_checkpoints(tmp_path)
     assert step >= 2 and read_meta(path)["reason"] == "signal"
     assert f"saved {path} on signal" in out
+
+
+def wide_eval(arith_dir, tmp_path: Path, rows: int) -> list[str]:
+    """A held-out split of ``rows`` arith rows (the fixture's has 64; operands to 999: 0-99 give 989 distinct
+    problems): 8192 take seconds to evaluate on CI's 2 cores (512 took 0.1 s, less than the test's way from a
+    step's line to the signal)."""
+    sys.path.insert(0, str(REPO / "pipelines" / "arith"))
+    try:
+        from task import write_dataset
+    finally:
+        sys.path.pop(0)
+    path = write_dataset(str(tmp_path / f"eval{rows}.jsonl"), rows, 0, split="eval", max_operand=999)
+    return [f"data.eval_path={path}", f"data.eval_size={rows}"]
+
+
+def test_a_signal_during_a_heldout_evaluation_stops_both_ranks_at_once_and_saves_the_step_before_it(arith_dir,
+                                                                                                   tmp_path):
+    """SIGTERM to rank 1 while both ranks evaluate after step 1 (train.eval_every=1): rank 1 leaves its
+    evaluation at once, rank 0 ends its own at the agreement placed before the evaluation's all-reduces, and
+    both stop there, saving step 1. Before, the evaluation ran to its end (printing its result) and the ranks
+    stopped at the next step's agreement."""
+    cmd, env = command(arith_dir, tmp_path / "out", 2, "train.max_steps=1000", "train.eval_every=1",
+                       *wide_eval(arith_dir, tmp_path, 8192))
+    code, out = sigterm_after_step(cmd, env, step=1, wait_s=180, new_session=True,
+                                   target=lambda: rank_pid(str(tmp_path / "out"), rank=1))
+    assert code != 0, out[-3000:]
+    assert "stopped by SIGTERM on rank 1; sockets closed" in out, out[-3000:]
+    assert "stopped by another rank's signal on rank 0; sockets closed" in out, out[-3000:]
+    assert "step 1: {" not in out, out[-3000:]  # the evaluation after step 1 never printed its result
+    ((step, path),) = complete_checkpoints(tmp_path / "out")
+    assert step == 1 and read_meta(path)["reason"] == "signal"
+
+
+def test_a_second_signal_stops_at_once_without_saving(arith_dir, tmp_path):
+    """SIGINT and SIGTERM delivered together (both pending while the process is stopped with SIGSTOP, so
+    its event loop takes them in one pass): the first asks for the agreed stop, the second ends the run
+    there, without waiting for the step or saving, and it says so."""
+    cmd, env = command(arith_dir, tmp_path, 1, "train.max_steps=1000")
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 2/"):
+                break
+        proc.send_signal(signal.SIGSTOP)
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGCONT)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130, out[-3000:]
+    # the loop takes them in the order the kernel delivered them: either may be the second
+    assert re.search(r"stopped by a second SIG(INT|TERM) on rank 0 without saving; sockets closed", out), out[-3000:]
+    assert "on signal" not in out and complete_checkpoints(tmp_path) == [], out[-3000:]
+    assert "never retrieved" not in out, out[-3000:]  # the stages' shutdown left no unretrieved failure
