@@ -203,6 +203,7 @@ def test_a_signal_during_a_heldout_evaluation_stops_both_ranks_at_once_and_saves
     assert step == 1 and read_meta(path)["reason"] == "signal"
 
 
+@pytest.mark.one_process
 def test_a_second_signal_stops_at_once_without_saving(arith_dir, tmp_path):
     """SIGINT and SIGTERM delivered together (both pending while the process is stopped with SIGSTOP, so
     its event loop takes them in one pass): the first asks for the agreed stop, the second ends the run
