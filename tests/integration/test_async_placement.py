@@ -60,7 +60,9 @@ def reward_curve(out: Path) -> list[float]:
     return [json.loads(line)["reward_mean"] for line in (out / "steps.jsonl").read_text().splitlines()]
 
 
-STEPS = 60
+# 40 steps: held-out accuracy rises from 0.100 to 0.154 (colocated) and 0.158 (async, 1 and 2 learners) in a local
+# run, as much as 60 steps gave (0.145), in two thirds of CI's longest test
+STEPS = 40
 # decode in chunks of 16 rows: generation then takes about as long as a train step, as on GPUs where generation
 # dominates (the tiny model's whole-step decode on CPU is several times faster than its update)
 LEARNING = [f"train.max_steps={STEPS}", "rollout.max_staleness=1", "rollout.prompts_per_step=32",
@@ -96,7 +98,7 @@ def colocated_run(warm_arith, wide_eval, tmp_path_factory) -> tuple[dict, list[f
 
 @pytest.mark.parametrize("learners", [1, 2])
 def test_async_learns_like_colocated_within_the_staleness_bound(warm_arith, wide_eval, tmp_path, learners, colocated_run):
-    """60 steps async (staleness 1) against the colocated baseline: the training reward rises, held-out
+    """STEPS steps async (staleness 1) against the colocated baseline: the training reward rises, held-out
     accuracy ends within 5 points, every trained token is at most one version behind, and engine and
     learner are busy at the same time."""
     colocated, colocated_curve = colocated_run
