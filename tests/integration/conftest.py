@@ -40,6 +40,18 @@ def warm_arith(tmp_path_factory) -> Path:
     return out
 
 
+def arith_eval_overrides(folder: Path, rows: int, max_operand: int = 99) -> list[str]:
+    """The overrides of a held-out arith split of ``rows`` rows, written in ``folder`` (the fixtures' own has 64):
+    a wider evaluation, or a longer one."""
+    sys.path.insert(0, str(REPO / "pipelines" / "arith"))
+    try:
+        from task import write_dataset
+    finally:
+        sys.path.pop(0)
+    path = write_dataset(str(folder / f"eval{rows}.jsonl"), rows, 0, split="eval", max_operand=max_operand)
+    return [f"data.eval_path={path}", f"data.eval_size={rows}"]
+
+
 def arith_overrides(arith_dir: Path, output_dir: Path, *extra: str) -> list[str]:
     """Small, fast settings for tests (a step takes well under a second on one core)."""
     return [

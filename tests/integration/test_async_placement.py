@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, arith_eval_overrides
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -78,14 +78,8 @@ WIDE_EVAL_ROWS = 512
 
 @pytest.fixture(scope="module")
 def wide_eval(warm_arith) -> list[str]:
-    sys.path.insert(0, str(REPO / "pipelines" / "arith"))
-    try:
-        from task import write_dataset
-    finally:
-        sys.path.pop(0)
     # beside the model: launch/colocate.sh checks that the arith data sits in the prepared folder
-    path = write_dataset(str(warm_arith / f"eval{WIDE_EVAL_ROWS}.jsonl"), WIDE_EVAL_ROWS, 0, split="eval")
-    return [f"data.eval_path={path}", f"data.eval_size={WIDE_EVAL_ROWS}"]
+    return arith_eval_overrides(warm_arith, WIDE_EVAL_ROWS)
 
 
 @pytest.fixture(scope="module")

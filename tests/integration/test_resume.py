@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from streamrft.checkpoint import complete_checkpoints, read_meta
-from tests.integration.conftest import REPO, arith_overrides, rank_pid, sigterm_after_step
+from tests.integration.conftest import REPO, arith_eval_overrides, arith_overrides, rank_pid, sigterm_after_step
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -172,27 +172,16 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step_and_saves_it(arith_
     assert f"saved {path} on signal" in out
 
 
-def wide_eval(arith_dir, tmp_path: Path, rows: int) -> list[str]:
-    """A held-out split of ``rows`` arith rows (the fixture's has 64; operands to 999: 0-99 give 989 distinct
-    problems): 8192 take seconds to evaluate on CI's 2 cores (512 took 0.1 s, less than the test's way from a
-    step's line to the signal)."""
-    sys.path.insert(0, str(REPO / "pipelines" / "arith"))
-    try:
-        from task import write_dataset
-    finally:
-        sys.path.pop(0)
-    path = write_dataset(str(tmp_path / f"eval{rows}.jsonl"), rows, 0, split="eval", max_operand=999)
-    return [f"data.eval_path={path}", f"data.eval_size={rows}"]
-
-
 def test_a_signal_during_a_heldout_evaluation_stops_both_ranks_at_once_and_saves_the_step_before_it(arith_dir,
                                                                                                    tmp_path):
     """SIGTERM to rank 1 while both ranks evaluate after step 1 (train.eval_every=1): rank 1 leaves its
     evaluation at once, rank 0 ends its own at the agreement placed before the evaluation's all-reduces, and
     both stop there, saving step 1. Before, the evaluation ran to its end (printing its result) and the ranks
     stopped at the next step's agreement."""
-    cmd, env = command(arith_dir, tmp_path / "out", 2, "train.max_steps=1000", "train.eval_every=1",
-                       *wide_eval(arith_dir, tmp_path, 8192))
+    # 8192 rows (operands to 999: 0-99 give 989 distinct problems) take seconds to evaluate on CI's 2 cores; 512
+    # took 0.1 s, less than the test's way from a step's line to the signal
+    long_eval = arith_eval_overrides(tmp_path, 8192, max_operand=999)
+    cmd, env = command(arith_dir, tmp_path / "out", 2, "train.max_steps=1000", "train.eval_every=1", *long_eval)
     code, out = sigterm_after_step(cmd, env, step=1, wait_s=180, new_session=True,
                                    target=lambda: rank_pid(str(tmp_path / "out"), rank=1))
     assert code != 0, out[-3000:]
