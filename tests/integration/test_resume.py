@@ -199,14 +199,15 @@ def test_a_second_signal_stops_at_once_without_saving(arith_dir, tmp_path):
     there, without waiting for the step or saving, and it says so."""
     cmd, env = command(arith_dir, tmp_path, 1, "train.max_steps=1000")
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    head = []
     try:
         for line in proc.stdout:
+            head.append(line)
             if line.startswith("step 2/"):
                 break
-        proc.send_signal(signal.SIGSTOP)
-        proc.send_signal(signal.SIGINT)
-        proc.send_signal(signal.SIGTERM)
-        proc.send_signal(signal.SIGCONT)
+        assert proc.poll() is None, "".join(head)[-3000:]  # it ended before step 2
+        for sig in (signal.SIGSTOP, signal.SIGINT, signal.SIGTERM, signal.SIGCONT):
+            proc.send_signal(sig)
         out, _ = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
