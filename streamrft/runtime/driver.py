@@ -355,6 +355,11 @@ def _write_trajectories(run, step: int, batch) -> None:
         sink.flush()  # readers see whole steps
 
 
+def _engines(run) -> list:
+    """The rollout engine and the evaluation's, once each (the evaluation may use the rollout engine itself)."""
+    return list({id(e): e for e in (run.engine, run.eval_engine)}.values())
+
+
 async def _shutdown(run) -> None:
     await run.pipeline.stop()
     await run.scorer.close()
@@ -378,7 +383,7 @@ async def _shutdown(run) -> None:
                 log.warning("rank %d: no Prometheus scrape within metrics.final_scrape_timeout_s=%g s after the "
                             "final step; its values were not scraped", run.dist.rank, timeout)
         stop_exporter(run.exporter)
-    for engine in {id(e): e for e in (run.engine, run.eval_engine)}.values():
+    for engine in _engines(run):
         engine.close()  # vllm: its shutdown also tears down its own state
 
 
@@ -412,7 +417,7 @@ async def run_with_signals(run) -> dict[str, float]:
             with contextlib.suppress(asyncio.CancelledError):  # a second signal while the stages stop
                 await run.pipeline.stop()
             if not forced:
-                for engine in {id(e): e for e in (run.engine, run.eval_engine)}.values():  # the evaluation's too
+                for engine in _engines(run):  # the evaluation's too: it has its own forward lock
                     engine.quiesce()
                 run.checkpointer.save_on_signal()  # the last completed step, unless it is saved already
         if forced:

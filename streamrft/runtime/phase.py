@@ -20,12 +20,12 @@ import torch
 ROLLOUT, TRAIN = "rollout", "train"
 
 
-
 def agree_on_batch(all_reduce_sum, local_samples: int, stop: bool) -> tuple[int, bool]:
     """The all-reduce before every train step (both placements' ``batch_ready``): (the global sample count,
     whether any rank stops)."""
     total, stops = all_reduce_sum(torch.tensor([float(local_samples), float(stop)])).tolist()
     return int(total), stops > 0
+
 
 class PhaseController:
     def __init__(self, strategy, engine, all_reduce_sum, metrics=None, sleep_level: int = 1, push_full_weights: bool = False, bucket_bytes: int = 256 << 20, offload: bool = True, admission=None):
