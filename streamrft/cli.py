@@ -12,9 +12,38 @@ import os
 import select
 import signal
 import sys
+import threading
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return _train_or_check(args)
+    previous = _stop_on_signals_during_startup()
+    try:
+        return _train_or_check(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_on_signals_during_startup() -> dict:
+    """Until the run's loop takes Ctrl-C and SIGTERM over (runtime/driver.py ``run_with_signals``: every rank stops at
+    the next agreement and saves), either signal ends the start-up (the config checks, the imports, the model load)
+    where it is: the exception unwinds through the cleanups (the warm-up children, the process group), and ``main``
+    says so and exits 130, as after a stop in the loop. (SIGTERM's default action used to end the process without a
+    word.) Returns the handlers it replaced; none in a thread other than the main one, where Python allows none."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    rank = _env_rank()
+
+    def stop(signum: int, _frame) -> None:
+        raise KeyboardInterrupt(f"streamrft: stopped by {signal.Signals(signum).name} on rank {rank} during start-up, "
+                                "before the first step; nothing trained, no checkpoint written")
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _train_or_check(args: argparse.Namespace) -> int:
     from streamrft.config import load_config, validate_config
 
     cfg = load_config(args.config, args.overrides)

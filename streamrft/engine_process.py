@@ -19,7 +19,8 @@ from pathlib import Path
 
 import msgspec
 
-from streamrft.runtime.engine_worker import EngineParts, die_with_parent, exit_now, serve
+from streamrft.parent_death import die_with_parent
+from streamrft.runtime.engine_worker import EngineParts, exit_now, serve
 
 
 def build_engine_parts(cfg, spec: dict) -> EngineParts:

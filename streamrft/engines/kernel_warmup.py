@@ -126,7 +126,9 @@ def warm(cfg, device_type: str, world_size: int, cuda_preinit=None) -> dict:
 
 def main(argv: list[str]) -> int:
     from streamrft.learner.compile_warmup import run_child, start_cuda_preinit
+    from streamrft.parent_death import die_with_parent
 
+    die_with_parent()  # a run that dies (even by SIGKILL) takes its warm-up child with it
     preinit = start_cuda_preinit(argv)  # first: the CUDA context is made beside the imports
     return run_child(argv, lambda cfg, device_type, _result_path, world_size: warm(cfg, device_type, int(world_size),
                                                                                   preinit))

@@ -39,6 +39,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streamrft.parent_death import child_env, die_with_parent
+
 WARMUP_TIMEOUT_S = 600.0  # the first compile waits at most this long for the child, then kills it and compiles itself
 LOG_TAIL_CHARS = 2000  # of the child's log, quoted in the warning when it failed
 RESULT_POLL_S = 0.05  # how often the first compile looks for the child's result while it waits
@@ -230,7 +232,7 @@ def _spawn(cfg, module: str, suffix: str, device_type: str, what: str, *args: st
     except OSError as exc:
         warnings.warn(f"{what} (rank {rank}) not started: {folder}: {exc}")
         return None
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env = child_env({k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS})  # dies with the run: run_child
     env["LOCAL_RANK"] = str(local_rank)  # the child's device: this rank's (the cache key names the device index)
     if "TORCHINDUCTOR_COMPILE_THREADS" not in env:  # the node's children compile at once: a share of the cores each
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(compile_threads_per_child(
@@ -543,6 +545,7 @@ def start_cuda_preinit(argv: list[str]):
 
 
 def main(argv: list[str]) -> int:
+    die_with_parent()  # its own session (a terminal's Ctrl-C reaches the run, not it), but not its own lifetime
     preinit = start_cuda_preinit(argv)
     return run_child(argv, lambda cfg, device_type, result_path: warm(cfg, device_type, compiling_marker(result_path),
                                                                       preinit))

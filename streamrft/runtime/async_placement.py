@@ -36,6 +36,7 @@ import msgspec
 import torch
 
 from protocols import Control, ScoredSample
+from streamrft.parent_death import child_env
 from streamrft.runtime.channels import ChannelReceiver
 from streamrft.runtime.feed import LearnerFeed, TrainBatch
 from streamrft.runtime.log_warnings import LogWarnings
@@ -139,7 +140,7 @@ class AsyncLearnerPipeline:
             path.write_text(json.dumps(spec))
             log = open(folder / f"engine{e}.log", "w")
             self.engine_warnings.append(LogWarnings(folder / f"engine{e}.log", f"engine rank {e}"))
-            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            env = child_env(dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
             for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                         "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
                 env.pop(key, None)  # an engine is not a torchrun rank

@@ -13,31 +13,20 @@ process group of their own (learner rank 0 + every engine process) in a backgrou
 loaded between decode chunks, so rows in flight keep their tokens (each token records its version).
 
 It ends when learner rank 0 publishes the end of the run; the process dies with its parent (PR_SET_PDEATHSIG,
-``die_with_parent``), so a learner killed with SIGKILL leaves no engine behind.
+streamrft/parent_death.py), so a learner killed with SIGKILL leaves no engine behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
-
-
-def die_with_parent() -> None:
-    """Linux: receive SIGKILL when the process that started this one dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the learner's shutdown still stops us
-        pass
 
 
 @dataclass

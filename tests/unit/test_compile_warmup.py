@@ -9,6 +9,7 @@ On this CPU the layers compile with Inductor's C++ backend (train.compile_layers
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -352,3 +353,48 @@ def test_the_child_starts_inductors_compile_workers_first_and_reports_when_they_
     else:
         assert report == {"compile_pool": "not used: no Triton (CPU kernels compile in a thread pool)",
                           "compile_pool_started_s": None, "compile_pool_ready_s": None}
+
+
+def _warmup_children(output_dir: Path) -> list[int]:
+    """The live processes whose command line names a file of this run's compile_warmup folder (a zombie's is empty)."""
+    folder = str(output_dir / "compile_warmup").encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and folder in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:  # ended while we looked
+            pass
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_run_stopped_during_start_up_leaves_no_warm_up_child(tmp_path, model_dir, sig):
+    """The child runs in a session of its own, so only the run ends it. SIGTERM or Ctrl-C during the start-up (the
+    checks, the imports, the model load: the loop's handlers do not exist yet) ends the run saying so, exit 130, and
+    the run stops its child; SIGKILL, where the run cleans up nothing, takes the child with it too (PR_SET_PDEATHSIG).
+    (SIGTERM used to end the run without a word, its child left compiling.)"""
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"{i}+1=", "reference": str(i + 1)}) + "\n" for i in range(8)))
+    path = _config(tmp_path, model_dir)
+    cfg = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**cfg, "data": {"train_path": str(train)}, "train": {**cfg["train"], "max_steps": 1}}))
+    proc = subprocess.Popen([sys.executable, "-m", "streamrft.cli", "train", str(path)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        _until(lambda: _warmup_children(tmp_path / "run") or proc.poll() is not None, "the warm-up child", 120)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(sig)  # the run has just started its child: it is importing torch for the config checks
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _until(lambda: not _warmup_children(tmp_path / "run"), "the warm-up child to end", 30)
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+        return
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"streamrft: stopped by {sig.name} on rank 0 during start-up, before the "
+                                            "first step; nothing trained, no checkpoint written"), err[-3000:]
+    assert "Traceback" not in err and not (tmp_path / "run" / "checkpoints").exists()
