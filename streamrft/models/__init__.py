@@ -1,5 +1,2 @@
-"""Model builders and loaders: tiny local models for CPU demos (``tiny``); wrappers come later."""
-
-from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy
-
-__all__ = ["build_char_tokenizer", "build_tiny_qwen2", "load_policy"]
+"""Model builders and loaders: tiny local models for CPU demos (``tiny``), hub ids and the local cache (``hub``).
+Import the submodule you need; nothing is imported here (the reward service reads ``hub`` and needs no torch)."""

@@ -104,6 +104,9 @@ def test_the_arith_service_scores_batches_over_zeromq(services):
     out, client = run_client(svc.address("tcp"), go, timeout_s=5.0)
     assert out == [[1.0, 0.0], [1.0, 0.0]]
     assert client.n_failed == 0
+    # A rule function needs no torch: the service starts in a fraction of a second. (It used to load torch and
+    # transformers, ~5 s on CI, through streamrft.models's package imports, for a hub-id check.)
+    assert "libtorch" not in Path(f"/proc/{svc.proc.pid}/maps").read_text()
     assert svc.stop() == 0
     assert any("stopped on SIGTERM" in line and "2 scored" in line for line in svc.lines), svc.lines
 
