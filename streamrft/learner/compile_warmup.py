@@ -232,7 +232,7 @@ def _spawn(cfg, module: str, suffix: str, device_type: str, what: str, *args: st
     except OSError as exc:
         warnings.warn(f"{what} (rank {rank}) not started: {folder}: {exc}")
         return None
-    env = child_env({k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS})  # dies with the run: run_child
+    env = child_env({k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS})  # dies with the run: main
     env["LOCAL_RANK"] = str(local_rank)  # the child's device: this rank's (the cache key names the device index)
     if "TORCHINDUCTOR_COMPILE_THREADS" not in env:  # the node's children compile at once: a share of the cores each
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(compile_threads_per_child(
