@@ -180,7 +180,7 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
             "workdir": workdir, "code_path": code_path, "marker_fd": marker_w,
             "cpu_seconds": int(limits.cpu_seconds), "memory_mb": int(limits.memory_mb),
             "file_size_mb": int(limits.file_size_mb), "max_processes": int(limits.max_processes),
-            "namespaces": bool(limits.namespaces),
+            "namespaces": bool(limits.namespaces), "parent_pid": os.getpid(),
         }
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

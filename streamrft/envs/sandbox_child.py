@@ -34,6 +34,7 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
 PR_SET_KEEPCAPS = 8
 PR_SET_NO_NEW_PRIVS = 38
 CAP_DAC_READ_SEARCH = 2
@@ -186,6 +187,17 @@ def install_audit_hook(workdir: str) -> None:
     sys.addaudithook(hook)
 
 
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when ``parent``, the process that started it, ends: a killed caller (an environment
+    service, even by SIGKILL) leaves no code of a run behind, however long it sleeps. Each process of the chain sets
+    it: a fork does not inherit it, and entering a user namespace or changing the user clears it (so the launcher
+    sets it after its namespaces, the worker after drop_root). A parent that has ended already: exit now (getppid 0:
+    the parent is outside this PID namespace, where the launcher stays alive while its init runs)."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() not in (parent, 0):
+        os._exit(1)
+
+
 def supervise(child: int) -> int:
     """Wait for ``child`` (reaping any orphan handed to us meanwhile); its exit code, 128 + N for a
     signal N, marking the signal and a CPU-limit death."""
@@ -248,6 +260,7 @@ def run_worker(code: str, cfg: dict, in_user_ns: bool) -> None:
         os.chdir(cfg["workdir"])
         if os.geteuid() == 0:
             mark("isolation:uid=nobody" if drop_root() else "isolation:uid=root")
+        die_with_parent(cfg["_forked_by"])
         set_limits(cfg, in_user_ns)
         sys.dont_write_bytecode = True
         real_fork = os.fork
@@ -300,13 +313,17 @@ def main() -> None:
     with open(cfg["code_path"], encoding="utf-8") as f:
         code = f.read()
     net, pid_ns, in_user_ns = enter_namespaces() if cfg["namespaces"] else (False, False, False)
+    die_with_parent(cfg["parent_pid"])
     mark(f"isolation:network={'netns' if net else 'audit_hook'}")
     mark(f"isolation:pidns={'yes' if pid_ns else 'no'}")
     if pid_ns:
+        cfg["_forked_by"] = os.getpid()
         init = os.fork()
         if init:
             os._exit(supervise(init))
         # pid 1 of the new namespace: when it exits, the kernel kills every process left in it.
+        die_with_parent(cfg["_forked_by"])
+    cfg["_forked_by"] = os.getpid()
     worker = os.fork()
     if worker == 0:
         run_worker(code, cfg, in_user_ns)

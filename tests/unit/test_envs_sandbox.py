@@ -7,12 +7,17 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from streamrft.envs.sandbox import REASONS, SandboxLimits, run_python
+
+REPO = Path(__file__).resolve().parents[2]
 
 # timeout_s is far above cpu_seconds: on a loaded shared machine one CPU second can take several seconds of wall
 # time, and the loop must end on its CPU limit, not on the wall clock.
@@ -136,6 +141,33 @@ def test_a_process_that_leaves_the_group_dies_with_the_run(tmp_path):
     assert (result.reason, result.stdout) == ("ok", "parent done\n")
     assert time.monotonic() - start < 3.0
     time.sleep(0.2)
+    assert sandbox_processes(str(tmp_path)) == []
+
+
+CALLER = """
+import sys
+from streamrft.envs.sandbox import SandboxLimits, run_python
+run_python("import time\\ntime.sleep(60)\\n", SandboxLimits(timeout_s=120.0, work_root=sys.argv[1]))
+"""
+
+
+def test_a_killed_caller_leaves_no_sandboxed_code_running(tmp_path):
+    """The caller (an environment service) dies by SIGKILL while the code sleeps, so its wall-clock kill never comes:
+    every process of the run dies with it (PR_SET_PDEATHSIG), where the sleep used to go on for its 60 s."""
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, str(tmp_path)], cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 60
+        while len(sandbox_processes(str(tmp_path))) < 2:  # the launcher and the worker (and a namespace's init)
+            assert caller.poll() is None and time.monotonic() < deadline, "the sandbox never started"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the worker is past its own set-up and sleeping in the code
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 10
+    while sandbox_processes(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert sandbox_processes(str(tmp_path)) == []
 
 
