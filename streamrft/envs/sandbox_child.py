@@ -6,7 +6,9 @@ pipe). The child
 
 1. reads the code, then enters new network and PID namespaces when the kernel lets it (a user namespace
    too when not root): no network interface but a down loopback, and every process of the run dies
-   with the namespace's init, even one that left the process group;
+   with the namespace's init, even one that left the process group; each process of the chain dies with
+   the one that started it (PR_SET_PDEATHSIG, as streamrft/parent_death.py does for a run's children), so a
+   caller killed by SIGKILL leaves no code running;
 2. forks a worker that drops root (to ``nobody``, keeping only CAP_DAC_READ_SEARCH so the interpreter
    stays readable wherever it is installed: the kernel never applies RLIMIT_NPROC to uid 0), sets the
    resource limits, installs an audit hook, and runs the code in the work dir;
