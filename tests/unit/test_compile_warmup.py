@@ -378,7 +378,8 @@ def test_a_run_stopped_during_start_up_leaves_no_warm_up_child(tmp_path, model_d
     train.write_text("".join(json.dumps({"prompt": f"{i}+1=", "reference": str(i + 1)}) + "\n" for i in range(8)))
     path = _config(tmp_path, model_dir)
     cfg = yaml.safe_load(path.read_text())
-    path.write_text(yaml.safe_dump({**cfg, "data": {"train_path": str(train)}, "train": {**cfg["train"], "max_steps": 1}}))
+    cfg.update(data={"train_path": str(train)}, train={**cfg["train"], "max_steps": 1})
+    path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "streamrft.cli", "train", str(path)], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
