@@ -22,12 +22,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-
+# torch, transformers and the warm-up import inside prepare(), when there is something to build: launch/colocate.sh
+# runs this script before every arith run, and an already prepared folder then costs a fraction of a second, not
+# their imports' ~5 s.
 from pipelines.arith.task import ARITH_ALPHABET, greedy_accuracy, write_dataset  # noqa: E402
 from streamrft.data import read_rows  # noqa: E402
-from streamrft.learner.sft import supervised_warmup  # noqa: E402
-from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy  # noqa: E402
 
 log = logging.getLogger("arith.prepare")
 
@@ -64,6 +63,13 @@ def prepare(out_dir: str, seed: int = 0, warmup_steps: int = 700, n_train: int =
     base_dir, sft_dir = str(out / "base"), str(out / "sft")
     train_path, eval_path = str(out / "train.jsonl"), str(out / "eval.jsonl")
     paths = {"model_dir": sft_dir, "train_path": train_path, "eval_path": eval_path, "base_dir": base_dir}
+
+    if _has_model(base_dir) and _has_model(sft_dir) and os.path.isfile(train_path) and os.path.isfile(eval_path):
+        return paths
+    import torch
+
+    from streamrft.learner.sft import supervised_warmup
+    from streamrft.models.tiny import build_char_tokenizer, build_tiny_qwen2, load_policy
 
     if not _has_model(base_dir):
         tokenizer = build_char_tokenizer(base_dir, ARITH_ALPHABET)

@@ -74,3 +74,17 @@ def test_item3_the_demo_starts_fresh_every_time(arith_dir, tmp_path):
         assert "resumed from" not in proc.stdout
         assert ("demo: removed the previous run" in proc.stdout) == (attempt == 1)
         assert steps_of(out) == [1]  # trained again, not "resumed" at the end
+
+
+def test_prepare_on_a_prepared_folder_loads_neither_torch_nor_the_model(arith_dir):
+    """launch/colocate.sh runs the arith prepare.py before every arith run: on a folder prepared already it only
+    says where things are. (It used to import torch and transformers first: ~5 s of every launch.)"""
+    overrides = [f"model.path={arith_dir / 'sft'}", f"data.train_path={arith_dir / 'train.jsonl'}",
+                 f"data.eval_path={arith_dir / 'eval.jsonl'}"]
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "pipelines" / "arith" / "prepare.py"),
+                           "--config", str(CONFIG), *overrides], env=env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["model_dir"] == str(arith_dir / "sft")
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "streamrft.config" in imported and not imported & {"torch", "transformers"}
