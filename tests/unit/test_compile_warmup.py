@@ -25,6 +25,7 @@ from streamrft.config import load_config, validate_config
 from streamrft.config.base import ConfigError
 from streamrft.config.train import TrainConfig, compile_warmup_enabled
 from streamrft.learner import compile_warmup
+from tests.processes import live_processes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -356,16 +357,8 @@ def test_the_child_starts_inductors_compile_workers_first_and_reports_when_they_
 
 
 def _warmup_children(output_dir: Path) -> list[int]:
-    """The live processes whose command line names a file of this run's compile_warmup folder (a zombie's is empty)."""
-    folder = str(output_dir / "compile_warmup").encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and folder in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:  # ended while we looked
-            pass
-    return pids
+    """The live processes whose command line names a file of this run's compile_warmup folder."""
+    return live_processes(str(output_dir / "compile_warmup"))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)

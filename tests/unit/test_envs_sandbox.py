@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from streamrft.envs.sandbox import REASONS, SandboxLimits, run_python
+from tests.processes import live_processes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,20 +36,7 @@ ATTACKS = {
 
 def sandbox_processes(marker: str) -> list[int]:
     """Pids of live processes started by the sandbox whose config mentions ``marker`` (the work root)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if "sandbox_child.py" in cmd and marker in cmd and state != "Z":
-            pids.append(int(entry))
-    return pids
+    return live_processes("sandbox_child.py", marker)
 
 
 @pytest.fixture(scope="module")
